@@ -1,0 +1,118 @@
+"""What a model *is*, reduced to the numbers a static-shape implementation needs.
+
+`ModelArch` is built from an HF `config.json` dictionary (transformers 4 and 5 layouts) and is the
+only description of a model that `models/` and `runtime/` pass around.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding variant; `inv_freq()` gives the per-pair frequencies."""
+
+    theta: float
+    head_dim: int
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def inv_freq(self) -> torch.Tensor:
+        """[head_dim // 2] float32 frequencies, after any scaling."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        if self.kind == "llama3":
+            return self._llama3_scaled(inv_freq)
+        return inv_freq
+
+    def _llama3_scaled(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        low_freq_wavelen = self.original_max_position / self.low_freq_factor
+        high_freq_wavelen = self.original_max_position / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture of a Llama-family decoder, as our implementation needs it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    has_qkv_bias: bool = False
+    has_qk_norm: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, (
+            "query heads must group evenly over KV heads"
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def digest_fields(self) -> dict[str, Any]:
+        """The fields that change a compiled program (for cache keys): everything but names."""
+        fields = dict(self.__dict__)
+        fields.pop("architecture")
+        fields["rope"] = dict(self.rope.__dict__)
+        return fields
+
+
+def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not an HF model directory (no config.json)")
+    return json.loads(path.read_text())
+
+
+def rope_from_hf(config: dict[str, Any], head_dim: int) -> RopeSpec:
+    """Read transformers 5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope type {kind!r} is not supported; supported: default, linear, llama3")
+    return RopeSpec(
+        theta=theta,
+        head_dim=head_dim,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,159 @@
+"""The maths of a Llama-family decoder layer, written for static shapes.
+
+Pure functions over tensors: no module state, no data-dependent shapes, so the same code runs
+eagerly and exports into an ahead-of-time compiled program. Attention reads cached keys and values
+from the paged pool but never writes it: the layer returns this step's new K/V and the caller
+writes them through the slot mapping, so a compiled program has no side effects to get wrong.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's parameters, fused the way the layer uses them."""
+
+    input_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    bqkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    wo: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    w13: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    w2: torch.Tensor  # [hidden, intermediate]
+
+
+class LayerDims(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight, as HF Llama does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [num_tokens, head_dim] for `positions` [num_tokens], in the model dtype."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim] (half-rotation form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention in fp32.
+
+    q: [rows, kv_heads, group, queries, head_dim]; k, v: [rows, kv_heads, keys, head_dim];
+    mask: [rows, 1, 1, queries, keys] bool, True where a key is visible. Every query sees at least
+    its own key, so no row is all-masked. Returns [rows, kv_heads, group, queries, head_dim].
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)[:, :, None]) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()[:, :, None])
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_mask: torch.Tensor,
+) -> torch.Tensor:
+    """One query per row against that row's cached blocks plus its own new key.
+
+    q: [rows, heads, head_dim]; k_new, v_new: [rows, kv_heads, head_dim];
+    pools: [num_blocks, block_size, kv_heads, head_dim]; block_tables: [rows, ctx_blocks];
+    context_mask: [rows, ctx_blocks * block_size] (True for cached positions < context length).
+    Returns [rows, heads * head_dim] in q's dtype.
+    """
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    num_keys = block_tables.shape[1] * k_pool.shape[1]
+    k_ctx = k_pool[block_tables].reshape(rows, num_keys, num_kv_heads, head_dim)
+    v_ctx = v_pool[block_tables].reshape(rows, num_keys, num_kv_heads, head_dim)
+    k = torch.cat([k_ctx, k_new[:, None]], dim=1).transpose(1, 2)  # [rows, kv, keys+1, d]
+    v = torch.cat([v_ctx, v_new[:, None]], dim=1).transpose(1, 2)
+    self_visible = torch.ones_like(context_mask[:, :1])
+    mask = torch.cat([context_mask, self_visible], dim=1)[:, None, None, None, :]
+    qg = q.view(rows, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
+    out = _attend(qg, k, v, mask, head_dim**-0.5)
+    return out.reshape(rows, num_heads * head_dim).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    context_block_ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Packed tokens of one or more sequences against cached blocks plus the new keys.
+
+    q: [tokens, heads, head_dim]; k_new, v_new: [tokens, kv_heads, head_dim];
+    context_block_ids: [ctx_blocks], the cached blocks of every sequence in the step, flattened;
+    mask: [tokens, ctx_blocks * block_size + tokens], True where a key is visible to a token
+    (same sequence, earlier or same position, not padding). Returns [tokens, heads * head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    k_ctx = k_pool[context_block_ids].reshape(-1, num_kv_heads, head_dim)
+    v_ctx = v_pool[context_block_ids].reshape(-1, num_kv_heads, head_dim)
+    k = torch.cat([k_ctx, k_new], dim=0).transpose(0, 1)[None]  # [1, kv, keys, d]
+    v = torch.cat([v_ctx, v_new], dim=0).transpose(0, 1)[None]
+    qg = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    qg = qg.permute(1, 2, 0, 3)[None]  # [1, kv, group, tokens, d]
+    out = _attend(qg, k, v, mask[None, None, None], head_dim**-0.5)
+    return out[0].permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
+
+
+def project_qkv(
+    x: torch.Tensor, w: LayerWeights, dims: LayerDims, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV projection, optional q/k norm, rotary. Shapes [tokens, heads, head_dim]."""
+    h = rms_norm(x, w.input_norm, dims.rms_norm_eps)
+    qkv = F.linear(h, w.wqkv, w.bqkv)
+    q_size = dims.num_heads * dims.head_dim
+    kv_size = dims.num_kv_heads * dims.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(-1, dims.num_heads, dims.head_dim)
+    k = k.reshape(-1, dims.num_kv_heads, dims.head_dim)
+    v = v.reshape(-1, dims.num_kv_heads, dims.head_dim)
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, dims.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, dims.rms_norm_eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def finish_layer(
+    x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, dims: LayerDims
+) -> torch.Tensor:
+    """Output projection, residual, norm, SwiGLU MLP, residual."""
+    x = x + F.linear(attn, w.wo)
+    h = rms_norm(x, w.post_norm, dims.rms_norm_eps)
+    gate, up = F.linear(h, w.w13).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w.w2)

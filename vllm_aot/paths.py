@@ -1,0 +1,22 @@
+"""Where vllm-aot keeps things on disk. Environment variables are read here, on demand."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Root of every vllm-aot cache (`VLLM_AOT_CACHE_DIR`, default `~/.cache/vllm-aot`)."""
+    configured = os.environ.get("VLLM_AOT_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "vllm-aot"
+
+
+def models_dir() -> Path:
+    """Prepared HF model directories (`VLLM_AOT_MODELS_DIR`, default `<cache root>/models`)."""
+    configured = os.environ.get("VLLM_AOT_MODELS_DIR")
+    return Path(configured).expanduser() if configured else cache_root() / "models"

@@ -1,0 +1,35 @@
+"""Bucket sets and bucket choice: pure functions, no tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2*lo, 4*lo, ... up to hi, always ending with hi itself."""
+    assert 0 < lo <= hi, f"bad bucket range {lo}..{hi}"
+    values = []
+    value = lo
+    while value < hi:
+        values.append(value)
+        value *= 2
+    values.append(hi)
+    return tuple(values)
+
+
+def pick_bucket(buckets: Sequence[int], needed: int) -> int:
+    """The smallest bucket >= needed. Raises ValueError naming the largest bucket."""
+    fitting = [b for b in buckets if b >= needed]
+    if not fitting:
+        raise ValueError(f"{needed} exceeds the largest bucket ({max(buckets)})")
+    return min(fitting)
+
+
+def validate_buckets(name: str, buckets: Sequence[int], maximum: int) -> tuple[int, ...]:
+    """Sorted, unique, positive, and covering `maximum` (the largest must equal it)."""
+    values = tuple(sorted(set(int(b) for b in buckets)))
+    if not values or values[0] <= 0:
+        raise ValueError(f"{name} must be positive integers, got {list(buckets)}")
+    if values[-1] != maximum:
+        raise ValueError(f"the largest of {name} must be {maximum}, got {list(values)}")
+    return values

@@ -1,0 +1,113 @@
+"""RuntimeConfig: the static shapes a compiled model is built for. Frozen, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from vllm_aot.runtime.buckets import powers_of_two, validate_buckets
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BACKENDS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything that fixes the compiled programs' shapes, plus the backend that builds them.
+
+    Buckets left empty get defaults: decode batches 1, 2, 4, ... max_num_seqs; decode contexts
+    256, 1024, ... max_model_len tokens; prefill chunks 32, 128, ... max_num_batched_tokens tokens
+    (factors of four: each program costs ~10 s of compile, padding costs less).
+    """
+
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    dtype: str = "bfloat16"
+    backend: str = "inductor"
+    decode_batch_buckets: tuple[int, ...] = ()
+    decode_context_buckets: tuple[int, ...] = ()  # tokens of KV read per row, multiples of block
+    prefill_token_buckets: tuple[int, ...] = ()
+    prefill_context_buckets: tuple[int, ...] = ()  # cached tokens read per prefill step
+    num_logprobs: int = 20  # top-n logprobs every head program returns
+    num_sampling_candidates: int = 256  # top-k/top-p decide among this many tokens
+    num_kv_blocks: int | None = None  # default: every row at max_model_len, plus the dummy
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {list(DTYPES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is unknown; supported: {list(BACKENDS)}")
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len % self.block_size:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
+        defaults = {
+            "decode_batch_buckets": (powers_of_two(1, self.max_num_seqs), self.max_num_seqs),
+            "prefill_token_buckets": (
+                _by_fours(32, self.max_num_batched_tokens),
+                self.max_num_batched_tokens,
+            ),
+            "decode_context_buckets": (
+                _by_fours(256, self.max_model_len),
+                self.max_model_len,
+            ),
+            "prefill_context_buckets": ((self.max_model_len,), self.max_model_len),
+        }
+        for name, (default, maximum) in defaults.items():
+            values = validate_buckets(name, getattr(self, name) or default, maximum)
+            if name.endswith("context_buckets") and any(v % self.block_size for v in values):
+                raise ValueError(f"{name} must be multiples of block_size ({self.block_size})")
+            # Frozen: normalise the field once, here, before anyone reads it.
+            object.__setattr__(self, name, values)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < self.max_blocks_per_seq + 1:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
+                f"({self.max_blocks_per_seq} blocks of {self.block_size}) plus the dummy block"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.max_model_len // self.block_size
+
+    @property
+    def total_kv_blocks(self) -> int:
+        return self.num_kv_blocks or self.max_num_seqs * self.max_blocks_per_seq + 1
+
+    @property
+    def head_row_buckets(self) -> tuple[int, ...]:
+        """Rows a head program samples: decode batches, and sequences ending in a prefill step."""
+        return self.decode_batch_buckets
+
+    def shape_fields(self) -> dict[str, Any]:
+        """The fields that change compiled programs (not the backend's cache or the pool size)."""
+        fields = asdict(self)
+        for name in ("backend", "num_kv_blocks"):
+            fields.pop(name)
+        return fields
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> RuntimeConfig:
+        known = {k: v for k, v in fields.items() if k in cls.__dataclass_fields__}
+        for name, value in known.items():
+            if name.endswith("_buckets"):
+                known[name] = tuple(value)
+        return cls(**known)
+
+
+def _by_fours(lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(sorted(set(powers_of_two(min(lo, hi), hi)[::2]) | {hi}))

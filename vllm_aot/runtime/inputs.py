@@ -1,0 +1,182 @@
+"""Step descriptions in, padded bucket tensors out (`prepare_*`).
+
+Padding is decided here, once: padded tokens get position 0, the dummy block's slot and a
+sequence id of their own; padded block-table entries point at the dummy block and are masked out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from vllm_aot.runtime.buckets import pick_bucket
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.kv_cache import DUMMY_BLOCK, blocks_needed
+from vllm_aot.runtime.sampler import SamplingParams, SamplingTensors, mask_words
+
+_PAD_SEQ = -1  # sequence id of padded query tokens (they see only each other)
+_PAD_KEY_SEQ = -2  # sequence id of padded cached keys (nobody sees them)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """New tokens of one sequence for a prefill step."""
+
+    token_ids: Sequence[int]
+    num_cached: int  # tokens of this sequence already in the KV cache (prefix hit, earlier chunk)
+    block_table: Sequence[int]  # covers num_cached + len(token_ids) tokens
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One sequence's next token for a decode step."""
+
+    token_id: int
+    position: int  # of token_id, which is also the number of tokens already cached
+    block_table: Sequence[int]  # covers position + 1 tokens
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How to sample one head row."""
+
+    params: SamplingParams  # normalised
+    seed: int
+    position: int  # position of the token being sampled
+    vocab_mask: torch.Tensor | None = None  # [ceil(vocab / 32)] int32, None = all allowed
+
+
+class PrefillInputs(NamedTuple):
+    token_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    slot_mapping: torch.Tensor  # [tokens]
+    context_block_ids: torch.Tensor  # [ctx_blocks]
+    attn_mask: torch.Tensor  # [tokens, ctx_blocks * block_size + tokens] bool
+    logits_indices: torch.Tensor  # [rows]: last token of each chunk
+
+
+class DecodeInputs(NamedTuple):
+    token_ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    slot_mapping: torch.Tensor  # [rows]
+    block_tables: torch.Tensor  # [rows, ctx_blocks]
+    context_mask: torch.Tensor  # [rows, ctx_blocks * block_size] bool
+
+
+def _slots(block_table: Sequence[int], positions: range, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def prefill_shape(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> tuple[int, int, int]:
+    """(token bucket, context-token bucket, row bucket); ValueError if none fits."""
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    num_ctx_tokens = config.block_size * sum(
+        blocks_needed(c.num_cached, config.block_size) for c in chunks
+    )
+    return (
+        pick_bucket(config.prefill_token_buckets, num_tokens),
+        pick_bucket(config.prefill_context_buckets, num_ctx_tokens),
+        pick_bucket(config.head_row_buckets, len(chunks)),
+    )
+
+
+def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> PrefillInputs:
+    num_tokens, num_ctx_tokens, num_rows = prefill_shape(chunks, config)
+    bs = config.block_size
+    token_ids, positions, slots, q_seq = [], [], [], []
+    ctx_blocks, key_seq, key_pos = [], [], []
+    logits_indices = []
+    for seq, chunk in enumerate(chunks):
+        span = range(chunk.num_cached, chunk.num_cached + len(chunk.token_ids))
+        assert len(span) > 0, "a prefill chunk has at least one token"
+        token_ids += chunk.token_ids
+        positions += span
+        slots += _slots(chunk.block_table, span, bs)
+        q_seq += [seq] * len(span)
+        logits_indices.append(len(token_ids) - 1)
+        num_cached_blocks = blocks_needed(chunk.num_cached, bs)
+        ctx_blocks += chunk.block_table[:num_cached_blocks]
+        for p in range(num_cached_blocks * bs):
+            is_cached = p < chunk.num_cached
+            key_seq.append(seq if is_cached else _PAD_KEY_SEQ)
+            key_pos.append(p)
+    num_pad = num_tokens - len(token_ids)
+    token_ids += [0] * num_pad
+    positions += [0] * num_pad
+    slots += [DUMMY_BLOCK * bs] * num_pad
+    q_seq += [_PAD_SEQ] * num_pad
+    num_ctx_pad = num_ctx_tokens // bs - len(ctx_blocks)
+    ctx_blocks += [DUMMY_BLOCK] * num_ctx_pad
+    key_seq += [_PAD_KEY_SEQ] * (num_ctx_pad * bs)
+    key_pos += [0] * (num_ctx_pad * bs)
+    logits_indices += [0] * (num_rows - len(chunks))
+
+    q_seq_t = torch.tensor(q_seq)
+    positions_t = torch.tensor(positions)
+    all_key_seq = torch.cat([torch.tensor(key_seq, dtype=torch.int64), q_seq_t])
+    all_key_pos = torch.cat([torch.tensor(key_pos, dtype=torch.int64), positions_t])
+    attn_mask = (all_key_seq[None, :] == q_seq_t[:, None]) & (
+        all_key_pos[None, :] <= positions_t[:, None]
+    )
+    return PrefillInputs(
+        token_ids=torch.tensor(token_ids),
+        positions=positions_t,
+        slot_mapping=torch.tensor(slots),
+        context_block_ids=torch.tensor(ctx_blocks, dtype=torch.int64),
+        attn_mask=attn_mask,
+        logits_indices=torch.tensor(logits_indices),
+    )
+
+
+def decode_shape(rows: Sequence[DecodeRow], config: RuntimeConfig) -> tuple[int, int]:
+    """(row bucket, context-token bucket); ValueError if none fits."""
+    longest = max(r.position for r in rows)
+    num_ctx_tokens = config.block_size * blocks_needed(longest, config.block_size)
+    return (
+        pick_bucket(config.decode_batch_buckets, len(rows)),
+        pick_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1)),
+    )
+
+
+def prepare_decode(rows: Sequence[DecodeRow], config: RuntimeConfig) -> DecodeInputs:
+    num_rows, num_ctx_tokens = decode_shape(rows, config)
+    bs = config.block_size
+    num_ctx_blocks = num_ctx_tokens // bs
+    tables = torch.full((num_rows, num_ctx_blocks), DUMMY_BLOCK, dtype=torch.int64)
+    lengths = torch.zeros(num_rows, dtype=torch.int64)
+    token_ids = torch.zeros(num_rows, dtype=torch.int64)
+    positions = torch.zeros(num_rows, dtype=torch.int64)
+    slots = torch.full((num_rows,), DUMMY_BLOCK * bs, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        cached = row.block_table[: blocks_needed(row.position, bs)]
+        tables[i, : len(cached)] = torch.tensor(cached, dtype=torch.int64)
+        lengths[i] = row.position
+        token_ids[i] = row.token_id
+        positions[i] = row.position
+        slots[i] = _slots(row.block_table, range(row.position, row.position + 1), bs)[0]
+    context_mask = torch.arange(num_ctx_tokens)[None, :] < lengths[:, None]
+    return DecodeInputs(token_ids, positions, slots, tables, context_mask)
+
+
+def prepare_sampling(
+    rows: Sequence[RowSampling], num_rows: int, vocab_size: int
+) -> SamplingTensors:
+    """Pad per-row sampling settings to the head bucket; padded rows are greedy and ignored."""
+    pad = num_rows - len(rows)
+    params = [r.params for r in rows]
+    masks = torch.full((num_rows, mask_words(vocab_size)), -1, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        if row.vocab_mask is not None:
+            masks[i] = row.vocab_mask
+    return SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params] + [1.0] * pad),
+        top_k=torch.tensor([p.top_k for p in params] + [1] * pad, dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params] + [1.0] * pad),
+        min_p=torch.tensor([p.min_p for p in params] + [0.0] * pad),
+        seeds=torch.tensor([r.seed % (1 << 63) for r in rows] + [0] * pad, dtype=torch.int64),
+        positions=torch.tensor([r.position for r in rows] + [0] * pad, dtype=torch.int64),
+        vocab_mask=masks,
+    )

@@ -1,0 +1,137 @@
+"""CompiledModel: weights, one program per bucket, and the KV cache; runs one step at a time.
+
+A step is all-prefill or all-decode, never mixed. The caller (our generate loop, later vLLM's
+scheduler through the plugin) decides what runs; this class pads it to a bucket, runs the layer
+program once per layer (writing each layer's new K/V through the slot mapping) and samples in the
+head program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vllm_aot.models.config import ModelArch
+from vllm_aot.models.layers import rotary_cos_sin
+from vllm_aot.models.weights import ModelWeights
+from vllm_aot.runtime.backends import Program
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.inputs import (
+    DecodeRow,
+    PrefillChunk,
+    RowSampling,
+    decode_shape,
+    prefill_shape,
+    prepare_decode,
+    prepare_prefill,
+    prepare_sampling,
+)
+from vllm_aot.runtime.kv_cache import KVCache
+from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
+from vllm_aot.runtime.sampler import SamplerOutput, SamplingParams
+
+
+class CompiledModel:
+    def __init__(
+        self,
+        arch: ModelArch,
+        config: RuntimeConfig,
+        weights: ModelWeights,
+        programs: Mapping[ProgramKey, Program],
+    ) -> None:
+        self.arch = arch
+        self.config = config
+        self.weights = weights
+        self.programs = dict(programs)
+        self.kv = KVCache(
+            arch,
+            num_blocks=config.total_kv_blocks,
+            block_size=config.block_size,
+            dtype=config.torch_dtype,
+        )
+        self._layer_args = [flatten_weights(w) for w in weights.layers]
+        self._inv_freq = arch.rope.inv_freq()
+        self.num_executions: dict[ProgramKey, int] = dict.fromkeys(self.programs, 0)
+
+    def _program(self, key: ProgramKey) -> Program:
+        self.num_executions[key] += 1
+        return self.programs[key]
+
+    def _run_layers(
+        self,
+        key: ProgramKey,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Embed, run every layer through the one program for this bucket; [tokens, hidden]."""
+        program = self._program(key)
+        hidden = F.embedding(token_ids, self.weights.embed)
+        cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
+        for layer, weights in enumerate(self._layer_args):
+            kv = (self.kv.k[layer], self.kv.v[layer])
+            hidden, k_new, v_new = program(hidden, cos, sin, *kv, *context, *weights)
+            self.kv.write(layer, slot_mapping, k_new, v_new)
+        return hidden
+
+    def _head(self, hidden: torch.Tensor, sampling: Sequence[RowSampling]) -> SamplerOutput:
+        """hidden: [row bucket, hidden]; returns outputs for the real rows only."""
+        num_rows = hidden.shape[0]
+        is_greedy = all(r.params.top_k == 1 for r in sampling)
+        kind = ProgramKind.GREEDY if is_greedy else ProgramKind.SAMPLE
+        tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
+        w = self.weights
+        out = self._program(ProgramKey(kind, num_rows))(hidden, w.final_norm, w.lm_head, *tensors)
+        return SamplerOutput(*(t[: len(sampling)] for t in out))
+
+    def prefill(
+        self, chunks: Sequence[PrefillChunk], sampling: Sequence[RowSampling]
+    ) -> SamplerOutput:
+        """Run a prefill step; one sampled row per chunk (its last token)."""
+        assert len(chunks) == len(sampling), "one sampling row per chunk"
+        num_tokens, num_ctx_tokens, _ = prefill_shape(chunks, self.config)
+        inputs = prepare_prefill(chunks, self.config)
+        key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
+        context = (inputs.context_block_ids, inputs.attn_mask)
+        hidden = self._run_layers(
+            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
+        )
+        return self._head(hidden[inputs.logits_indices], sampling)
+
+    def decode(self, rows: Sequence[DecodeRow], sampling: Sequence[RowSampling]) -> SamplerOutput:
+        """Run a decode step: one new token per row."""
+        assert len(rows) == len(sampling), "one sampling row per decode row"
+        num_rows, num_ctx_tokens = decode_shape(rows, self.config)
+        inputs = prepare_decode(rows, self.config)
+        key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
+        context = (inputs.block_tables, inputs.context_mask)
+        hidden = self._run_layers(
+            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
+        )
+        return self._head(hidden, sampling)
+
+    def prefill_logits(self, chunk: PrefillChunk) -> torch.Tensor:
+        """Logits at every position of one chunk, [tokens, vocab] float32 (for validation).
+
+        Runs the same layer and head programs a prefill step runs, the head over slices of rows.
+        """
+        num_tokens, num_ctx_tokens, _ = prefill_shape([chunk], self.config)
+        inputs = prepare_prefill([chunk], self.config)
+        key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
+        context = (inputs.context_block_ids, inputs.attn_mask)
+        hidden = self._run_layers(
+            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
+        )[: len(chunk.token_ids)]
+        greedy = SamplingParams(temperature=0).normalized()
+        rows = max(self.config.head_row_buckets)
+        logits = []
+        for start in range(0, hidden.shape[0], rows):
+            part = hidden[start : start + rows]
+            padded = torch.zeros(rows, part.shape[1], dtype=part.dtype)
+            padded[: part.shape[0]] = part
+            sampling = [RowSampling(greedy, 0, 0)] * part.shape[0]
+            logits.append(self._head(padded, sampling).logits)
+        return torch.cat(logits)

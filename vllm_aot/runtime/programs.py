@@ -1,0 +1,225 @@
+"""The programs a model is compiled into: one per kind and bucket.
+
+- `prefill_t{tokens}_c{ctx}`: one decoder layer over a packed token bucket (any layer: weights are
+  inputs, so one compiled program serves every layer and compile time does not grow with depth).
+- `decode_b{rows}_c{ctx}`: one decoder layer over a batch bucket reading `ctx` cached tokens.
+- `greedy_r{rows}` / `sample_r{rows}`: final norm, LM head and the on-device sampler.
+
+Each program states its example inputs here, once; `backends.py` turns a program into something
+callable (eagerly, or compiled ahead of time by Inductor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+from vllm_aot.models.config import ModelArch
+from vllm_aot.models.layers import (
+    LayerDims,
+    LayerWeights,
+    decode_attention,
+    finish_layer,
+    prefill_attention,
+    project_qkv,
+    rms_norm,
+)
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    greedy_sample,
+    mask_words,
+    random_sample,
+)
+
+
+class ProgramKind(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    GREEDY = "greedy"
+    SAMPLE = "sample"
+
+
+@dataclass(frozen=True, order=True)
+class ProgramKey:
+    kind: ProgramKind
+    size: int  # tokens (prefill) or rows (decode, heads)
+    context_tokens: int = 0  # cached tokens read (layers only)
+
+    @property
+    def name(self) -> str:
+        letter = "t" if self.kind is ProgramKind.PREFILL else ("b" if self.is_layer else "r")
+        suffix = f"_c{self.context_tokens}" if self.is_layer else ""
+        return f"{self.kind.value}_{letter}{self.size}{suffix}"
+
+    @property
+    def is_layer(self) -> bool:
+        return self.kind in (ProgramKind.PREFILL, ProgramKind.DECODE)
+
+
+def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
+    keys = [
+        ProgramKey(ProgramKind.PREFILL, t, c)
+        for t in config.prefill_token_buckets
+        for c in config.prefill_context_buckets
+    ]
+    keys += [
+        ProgramKey(ProgramKind.DECODE, b, c)
+        for b in config.decode_batch_buckets
+        for c in config.decode_context_buckets
+    ]
+    for kind in (ProgramKind.GREEDY, ProgramKind.SAMPLE):
+        keys += [ProgramKey(kind, r) for r in config.head_row_buckets]
+    return keys
+
+
+def layer_dims(arch: ModelArch) -> LayerDims:
+    return LayerDims(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps)
+
+
+def weight_layout(arch: ModelArch) -> tuple[bool, ...]:
+    """Which `LayerWeights` fields this architecture has (programs take only those)."""
+    present = {"bqkv": arch.has_qkv_bias, "q_norm": arch.has_qk_norm, "k_norm": arch.has_qk_norm}
+    return tuple(present.get(name, True) for name in LayerWeights._fields)
+
+
+def flatten_weights(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in weights if t is not None)
+
+
+def _unflatten_weights(layout: tuple[bool, ...], tensors: tuple[torch.Tensor, ...]):
+    it = iter(tensors)
+    return LayerWeights(*(next(it) if present else None for present in layout))
+
+
+class PrefillLayer(nn.Module):
+    """(hidden, cos, sin, k_pool, v_pool, context_block_ids, attn_mask, *weights)
+    -> (hidden, k_new, v_new)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.dims = layer_dims(arch)
+        self.layout = weight_layout(arch)
+
+    def forward(self, hidden, cos, sin, k_pool, v_pool, context_block_ids, attn_mask, *weights):
+        w = _unflatten_weights(self.layout, weights)
+        q, k, v = project_qkv(hidden, w, self.dims, cos, sin)
+        attn = prefill_attention(q, k, v, k_pool, v_pool, context_block_ids, attn_mask)
+        return finish_layer(hidden, attn, w, self.dims), k, v
+
+
+class DecodeLayer(nn.Module):
+    """(hidden, cos, sin, k_pool, v_pool, block_tables, context_mask, *weights)
+    -> (hidden, k_new, v_new)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.dims = layer_dims(arch)
+        self.layout = weight_layout(arch)
+
+    def forward(self, hidden, cos, sin, k_pool, v_pool, block_tables, context_mask, *weights):
+        w = _unflatten_weights(self.layout, weights)
+        q, k, v = project_qkv(hidden, w, self.dims, cos, sin)
+        attn = decode_attention(q, k, v, k_pool, v_pool, block_tables, context_mask)
+        return finish_layer(hidden, attn, w, self.dims), k, v
+
+
+class Head(nn.Module):
+    """(hidden, final_norm, lm_head, *SamplingTensors) -> SamplerOutput fields."""
+
+    def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_greedy: bool) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.is_greedy = is_greedy
+        self.num_logprobs = config.num_logprobs
+        self.num_candidates = min(config.num_sampling_candidates, arch.vocab_size)
+
+    def forward(self, hidden, final_norm, lm_head, *sampling) -> SamplerOutput:
+        t = SamplingTensors(*sampling)
+        logits = torch.nn.functional.linear(rms_norm(hidden, final_norm, self.eps), lm_head)
+        logits = logits.float()
+        if self.is_greedy:
+            return tuple(greedy_sample(logits, t, self.num_logprobs))
+        return tuple(random_sample(logits, t, self.num_logprobs, self.num_candidates))
+
+
+def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
+    if key.kind is ProgramKind.PREFILL:
+        return PrefillLayer(arch)
+    if key.kind is ProgramKind.DECODE:
+        return DecodeLayer(arch)
+    return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
+
+
+def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> tuple:
+    """Inputs with the program's exact shapes and dtypes (values are irrelevant)."""
+    dt = config.torch_dtype
+    i64 = torch.int64
+    if key.is_layer:
+        n = key.size
+        bs = config.block_size
+        pool = (2, bs, arch.num_kv_heads, arch.head_dim)  # dim 0 is dynamic: the pool's size
+        weights = _example_layer_weights(arch, dt)
+        ctx_blocks = key.context_tokens // bs
+        if key.kind is ProgramKind.PREFILL:
+            ctx = (
+                torch.zeros(ctx_blocks, dtype=i64),
+                torch.ones(n, key.context_tokens + n, dtype=torch.bool),
+            )
+        else:
+            ctx = (
+                torch.zeros(n, ctx_blocks, dtype=i64),
+                torch.ones(n, key.context_tokens, dtype=torch.bool),
+            )
+        return (
+            torch.zeros(n, arch.hidden_size, dtype=dt),
+            torch.ones(n, arch.head_dim, dtype=dt),
+            torch.zeros(n, arch.head_dim, dtype=dt),
+            torch.zeros(pool, dtype=dt),
+            torch.zeros(pool, dtype=dt),
+            *ctx,
+            *flatten_weights(weights),
+        )
+    rows = key.size
+    return (
+        torch.zeros(rows, arch.hidden_size, dtype=dt),
+        torch.ones(arch.hidden_size, dtype=dt),
+        torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dt),
+        torch.ones(rows),
+        torch.zeros(rows, dtype=i64),
+        torch.ones(rows),
+        torch.zeros(rows),
+        torch.zeros(rows, dtype=i64),
+        torch.zeros(rows, dtype=i64),
+        torch.full((rows, mask_words(arch.vocab_size)), -1, dtype=torch.int32),
+    )
+
+
+def dynamic_shapes(key: ProgramKey, inputs: tuple):
+    """Only the KV pools' first dimension (number of blocks) varies; all else is static."""
+    if not key.is_layer:
+        return None
+    num_blocks = torch.export.Dim("num_blocks", min=2, max=1 << 24)
+    # forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights)
+    fixed = (None, None, None, {0: num_blocks}, {0: num_blocks}, None, None)
+    return (*fixed, tuple(None for _ in inputs[len(fixed) :]))
+
+
+def _example_layer_weights(arch: ModelArch, dt: torch.dtype) -> LayerWeights:
+    qkv = arch.q_size + 2 * arch.kv_size
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    return LayerWeights(
+        input_norm=torch.ones(hidden, dtype=dt),
+        wqkv=torch.zeros(qkv, hidden, dtype=dt),
+        bqkv=torch.zeros(qkv, dtype=dt) if arch.has_qkv_bias else None,
+        q_norm=torch.ones(arch.head_dim, dtype=dt) if arch.has_qk_norm else None,
+        k_norm=torch.ones(arch.head_dim, dtype=dt) if arch.has_qk_norm else None,
+        wo=torch.zeros(hidden, arch.q_size, dtype=dt),
+        post_norm=torch.ones(hidden, dtype=dt),
+        w13=torch.zeros(2 * inter, hidden, dtype=dt),
+        w2=torch.zeros(hidden, inter, dtype=dt),
+    )
