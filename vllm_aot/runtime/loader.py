@@ -69,31 +69,34 @@ def default_num_workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 8))
 
 
-def build_programs(
+def program_path(programs_dir: Path, key: ProgramKey) -> Path:
+    return programs_dir / f"{key.name}.pt2"
+
+
+def compile_missing_programs(
     arch: ModelArch,
     config: RuntimeConfig,
     programs_dir: Path,
-    report: LoadReport,
     *,
     num_workers: int | None = None,
     show_progress: bool = True,
-) -> dict[ProgramKey, Program]:
-    """Compile what `programs_dir` lacks (inductor), then load every program."""
-    keys = all_program_keys(config)
-    if config.backend == "eager":
-        return {key: eager_program(key, arch, config) for key in keys}
-    missing = [(k, programs_dir / f"{k.name}.pt2") for k in keys]
+) -> dict[str, float]:
+    """Compile every program `programs_dir` lacks; returns compile seconds per program name."""
+    missing = [(k, program_path(programs_dir, k)) for k in all_program_keys(config)]
     missing = [(k, p) for k, p in missing if not p.is_file()]
-    if missing:
-        from tqdm import tqdm
+    if not missing:
+        return {}
+    from tqdm import tqdm
 
-        bar = tqdm(total=len(missing), desc="compiling programs", disable=not show_progress)
+    compiled: dict[str, float] = {}
+    bar = tqdm(total=len(missing), desc="compiling programs", disable=not show_progress)
 
-        def on_done(key: ProgramKey, seconds: float) -> None:
-            report.compiled[key.name] = seconds
-            logger.info("compiled %s in %.1f s", key.name, seconds)
-            bar.update()
+    def on_done(key: ProgramKey, seconds: float) -> None:
+        compiled[key.name] = seconds
+        logger.info("compiled %s in %.1f s", key.name, seconds)
+        bar.update()
 
+    try:
         compile_programs(
             missing,
             arch,
@@ -101,14 +104,37 @@ def build_programs(
             num_workers=num_workers or default_num_workers(),
             on_done=on_done,
         )
+    finally:
         bar.close()
+    return compiled
+
+
+def load_programs(
+    arch: ModelArch, config: RuntimeConfig, programs_dir: Path | None, report: LoadReport
+) -> dict[ProgramKey, Program]:
+    """Every program of `config`: eager modules, or compiled packages read from `programs_dir`."""
+    keys = all_program_keys(config)
+    if config.backend == "eager":
+        return {key: eager_program(key, arch, config) for key in keys}
+    assert programs_dir is not None, "the inductor backend loads programs from a directory"
+    missing = [k.name for k in keys if not program_path(programs_dir, k).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{programs_dir} lacks compiled programs: {', '.join(missing)}")
     programs = {}
     for key in keys:
         start = time.perf_counter()
-        programs[key] = load_program(programs_dir / f"{key.name}.pt2")
+        programs[key] = load_program(program_path(programs_dir, key))
         if key.name not in report.compiled:
             report.loaded[key.name] = time.perf_counter() - start
     return programs
+
+
+def load_weights_timed(model_dir: str | Path, arch: ModelArch, config: RuntimeConfig, report):
+    start = time.perf_counter()
+    weights = load_weights(model_dir, arch, config.torch_dtype)
+    report.weights_seconds = time.perf_counter() - start
+    report.weights_bytes = weights.num_bytes()
+    return weights
 
 
 def load_model(
@@ -123,19 +149,13 @@ def load_model(
     arch = load_arch(model_dir)
     check_fits(arch, config)
     report = LoadReport()
-    programs_dir = programs_dir or default_programs_dir(arch, config)
-    programs = build_programs(
-        arch,
-        config,
-        programs_dir,
-        report,
-        num_workers=num_workers,
-        show_progress=show_progress,
-    )
-    start = time.perf_counter()
-    weights = load_weights(model_dir, arch, config.torch_dtype)
-    report.weights_seconds = time.perf_counter() - start
-    report.weights_bytes = weights.num_bytes()
+    if config.backend == "inductor":
+        programs_dir = programs_dir or default_programs_dir(arch, config)
+        report.compiled = compile_missing_programs(
+            arch, config, programs_dir, num_workers=num_workers, show_progress=show_progress
+        )
+    programs = load_programs(arch, config, programs_dir, report)
+    weights = load_weights_timed(model_dir, arch, config, report)
     logger.info("model ready: %s", report.summary())
     return CompiledModel(arch, config, weights, programs), report
 

@@ -1,0 +1,35 @@
+"""Shared fixtures: the default model's tokenizer, tiny random models, small runtime configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_aot.models.prepare import prepare_default_model
+from vllm_aot.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF directory (converted from the GGUF once per cache)."""
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, default_model_dir):
+    """family -> directory of a seeded random model with the SmolLM2 tokenizer."""
+    made: dict[str, Path] = {}
+
+    def get(family: str = "llama") -> Path:
+        if family not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{family}")
+            made[family] = make_tiny_model(out, family=family, tokenizer_dir=default_model_dir)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture
+def tiny_model_dir(tiny_model_dirs) -> Path:
+    return tiny_model_dirs("llama")

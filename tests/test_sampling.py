@@ -1,0 +1,121 @@
+"""On-device sampling: what a request's sampling parameters do to the tokens it gets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.helpers import tiny_config
+from vllm_aot.runtime.generate import GenerationRequest, Generator
+from vllm_aot.runtime.inputs import RowSampling, prepare_sampling
+from vllm_aot.runtime.loader import load_model
+from vllm_aot.runtime.sampler import SamplingParams, greedy_sample, random_sample
+
+VOCAB = 1000
+NUM_LOGPROBS = 5
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds, mask=None):
+    rows = [
+        RowSampling(p.normalized(), seed, 7, None if mask is None else mask[i])
+        for i, (p, seed) in enumerate(zip(params, seeds, strict=True))
+    ]
+    tensors = prepare_sampling(rows, len(rows), VOCAB)
+    if all(r.params.top_k == 1 for r in rows):
+        return greedy_sample(logits, tensors, NUM_LOGPROBS)
+    return random_sample(logits, tensors, NUM_LOGPROBS, num_candidates=64)
+
+
+@pytest.fixture
+def logits():
+    return torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def test_temperature_zero_is_normalised_to_top_k_one_without_mutating():
+    params = SamplingParams(temperature=0.0, top_p=0.5, seed=3)
+    normal = params.normalized()
+    assert (normal.top_k, normal.temperature, normal.top_p) == (1, 1.0, 1.0)
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 0, 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.top_k = 1  # type: ignore[misc]
+
+
+def test_top_k_one_equals_greedy(logits):
+    hot = SamplingParams(temperature=5.0, top_k=1)
+    for seed in range(20):
+        assert sample(logits, [hot], [seed]).tokens.item() == logits.argmax().item()
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(logits):
+    params = SamplingParams(temperature=1.5)
+    first = [sample(logits, [params], [s]).tokens.item() for s in range(30)]
+    again = [sample(logits, [params], [s]).tokens.item() for s in range(30)]
+    assert first == again
+    assert len(set(first)) > 5, "different seeds should explore the distribution"
+
+
+def test_top_k_keeps_only_the_k_most_likely(logits):
+    top3 = set(logits[0].topk(3).indices.tolist())
+    params = SamplingParams(temperature=10.0, top_k=3)
+    drawn = {sample(logits, [params], [s]).tokens.item() for s in range(60)}
+    assert drawn <= top3 and len(drawn) > 1
+
+
+def test_top_p_and_min_p_cut_the_tail(logits):
+    probs = torch.softmax(logits[0], dim=-1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    drawn = {sample(logits, [SamplingParams(top_p=0.5)], [s]).tokens.item() for s in range(60)}
+    assert drawn <= nucleus
+    floor = 0.3 * probs.max()
+    kept = set(torch.nonzero(probs >= floor).flatten().tolist())
+    drawn = {sample(logits, [SamplingParams(min_p=0.3)], [s]).tokens.item() for s in range(60)}
+    assert drawn <= kept
+
+
+def test_vocab_mask_restricts_choices(logits):
+    allowed = [11, 500, 999]
+    mask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    for token in allowed:
+        word, bit = divmod(token, 32)
+        mask[0, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+    greedy = sample(logits, [SamplingParams(temperature=0)], [0], mask)
+    assert greedy.tokens.item() == max(allowed, key=lambda t: logits[0, t].item())
+    drawn = {
+        sample(logits, [SamplingParams(temperature=3.0)], [s], mask).tokens.item()
+        for s in range(40)
+    }
+    assert drawn <= set(allowed)
+
+
+def test_logprobs_are_the_raw_log_softmax(logits):
+    out = sample(logits, [SamplingParams(temperature=2.0)], [1])
+    logprobs = torch.log_softmax(logits[0], dim=-1)
+    token = out.tokens.item()
+    assert out.token_logprobs.item() == pytest.approx(logprobs[token].item(), abs=1e-5)
+    assert out.top_ids[0].tolist() == logprobs.topk(NUM_LOGPROBS).indices.tolist()
+
+
+def test_seeded_requests_do_not_depend_on_their_batch(tiny_model_dir):
+    """The same seeded request gives the same tokens alone and beside other requests."""
+    model, _ = load_model(tiny_model_dir, tiny_config(), show_progress=False)
+    seeded = GenerationRequest([100, 200, 300], 10, SamplingParams(temperature=0.9, seed=42))
+    others = [GenerationRequest([5] * n, 10, SamplingParams(temperature=1.0)) for n in (4, 30)]
+    (alone,) = Generator(model).generate([seeded])
+    batched = Generator(model).generate([others[0], seeded, others[1]])
+    assert batched[1].token_ids == alone.token_ids
+
+
+def test_requested_logprobs_come_back_per_token(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir, tiny_config(), show_progress=False)
+    request = GenerationRequest([100, 200], 5, SamplingParams(temperature=0, num_logprobs=3))
+    (result,) = Generator(model).generate([request])
+    assert len(result.top_logprobs) == len(result.token_ids) == 5
+    for token, logprob, top in zip(
+        result.token_ids, result.logprobs, result.top_logprobs, strict=True
+    ):
+        assert len(top) == 3
+        assert max(top, key=top.get) == token  # greedy picks the most likely
+        assert top[token] == pytest.approx(logprob)

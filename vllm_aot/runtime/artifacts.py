@@ -1,0 +1,180 @@
+"""Exported artifact directories: compiled programs + manifest + the model's small files.
+
+Layout of `vllm-aot export MODEL -o DIR`:
+
+    DIR/vllm-aot-manifest.json   format, versions, architecture, RuntimeConfig, program list,
+                                 where the weights are; written last, so its presence means the
+                                 export is complete
+    DIR/programs/*.pt2           one AOTInductor package per program (code only, no weights)
+    DIR/config.json, tokenizer*  copied, so DIR is also an HF directory for tokenizers and vLLM
+    DIR/*.safetensors            only with --copy-weights; otherwise the manifest references
+                                 the source directory
+
+Weights never live inside programs: they are loaded once at start-up and shared by all buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import vllm_aot
+from vllm_aot.models.registry import load_arch
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.loader import (
+    LoadReport,
+    check_fits,
+    compile_missing_programs,
+    load_programs,
+    load_weights_timed,
+    program_digest,
+)
+from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.programs import all_program_keys
+
+MANIFEST_NAME = "vllm-aot-manifest.json"
+ARTIFACT_FORMAT = 1
+_SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+class ArtifactMismatchError(ValueError):
+    """An artifact directory does not fit this library, compiler or requested configuration."""
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    out_dir: Path
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    total_seconds: float = 0.0
+
+
+def is_artifact_dir(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def read_manifest(artifact_dir: str | Path) -> dict[str, Any]:
+    path = Path(artifact_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{artifact_dir} is not an exported vllm-aot artifact (no {MANIFEST_NAME})"
+        )
+    return json.loads(path.read_text())
+
+
+def export_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    config: RuntimeConfig,
+    *,
+    copy_weights: bool = False,
+    num_workers: int | None = None,
+    show_progress: bool = True,
+) -> ExportReport:
+    """Compile every program of `config` into `out_dir` and describe it in a manifest.
+
+    Programs already present in `out_dir/programs` (an interrupted export) are kept.
+    """
+    if config.backend != "inductor":
+        raise ValueError("export compiles programs: use backend='inductor'")
+    start = time.perf_counter()
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir)
+    arch = load_arch(model_dir)
+    check_fits(arch, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until rewritten
+    compiled = compile_missing_programs(
+        arch, config, out_dir / "programs", num_workers=num_workers, show_progress=show_progress
+    )
+    for name in _SMALL_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out_dir / name)
+    if copy_weights:
+        for path in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
+            shutil.copy2(path, out_dir / path.name)
+    manifest = {
+        "format": ARTIFACT_FORMAT,
+        "vllm_aot_version": vllm_aot.__version__,
+        "torch_version": torch.__version__,
+        "architecture": arch.architecture,
+        "program_digest": program_digest(arch, config),
+        "config": config.to_dict(),
+        "programs": sorted(k.name for k in all_program_keys(config)),
+        "weights": {"copied": copy_weights, "source": str(model_dir)},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    staging = out_dir / f".{MANIFEST_NAME}.tmp"
+    staging.write_text(json.dumps(manifest, indent=2))
+    os.replace(staging, out_dir / MANIFEST_NAME)
+    return ExportReport(out_dir, compiled, time.perf_counter() - start)
+
+
+def _check_compatible(manifest: dict[str, Any], artifact_dir: Path) -> None:
+    found = {
+        "artifact format": (manifest.get("format"), ARTIFACT_FORMAT),
+        "vllm-aot": (manifest.get("vllm_aot_version"), vllm_aot.__version__),
+        "torch": (manifest.get("torch_version"), torch.__version__),
+    }
+    wrong = [
+        f"{name} {have} (this is {want})" for name, (have, want) in found.items() if have != want
+    ]
+    if wrong:
+        raise ArtifactMismatchError(
+            f"{artifact_dir} was compiled with {', '.join(wrong)}; compiled programs only load "
+            "with the versions that built them. Re-export it with this installation."
+        )
+
+
+def _check_config(manifest_config: RuntimeConfig, expected: RuntimeConfig, artifact_dir: Path):
+    have, want = manifest_config.shape_fields(), expected.shape_fields()
+    differing = [f"{k}={have[k]!r} (asked {want[k]!r})" for k in have if have[k] != want[k]]
+    if differing:
+        raise ArtifactMismatchError(
+            f"{artifact_dir} was compiled for a different configuration: {'; '.join(differing)}. "
+            "Use its configuration or export again with the one you need."
+        )
+
+
+def load_artifact(
+    artifact_dir: str | Path, *, expected: RuntimeConfig | None = None
+) -> tuple[CompiledModel, LoadReport]:
+    """Load an exported directory without compiling anything.
+
+    Raises ArtifactMismatchError when it was built by another vllm-aot/torch version, or for a
+    configuration other than `expected` (when given); FileNotFoundError when parts are missing.
+    """
+    artifact_dir = Path(artifact_dir)
+    manifest = read_manifest(artifact_dir)
+    _check_compatible(manifest, artifact_dir)
+    config = RuntimeConfig.from_dict(manifest["config"])
+    if expected is not None:
+        _check_config(config, expected, artifact_dir)
+    weights_dir = (
+        artifact_dir if manifest["weights"]["copied"] else Path(manifest["weights"]["source"])
+    )
+    if not weights_dir.is_dir():
+        raise FileNotFoundError(
+            f"{artifact_dir} references weights in {weights_dir}, which does not exist; "
+            "export with --copy-weights to make a self-contained directory"
+        )
+    arch = load_arch(artifact_dir)
+    report = LoadReport()
+    programs = load_programs(arch, config, artifact_dir / "programs", report)
+    weights = load_weights_timed(weights_dir, arch, config, report)
+    return CompiledModel(arch, config, weights, programs), report

@@ -1,0 +1,193 @@
+"""`vllm-aot`: models, export, validate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+
+
+def resolve_model(name: str | None) -> Path:
+    """A model argument -> HF directory: a path, or the bundled default (prepared on first use)."""
+    if name in (None, "", DEFAULT_MODEL_NAME, "default"):
+        from vllm_aot.models.prepare import prepare_default_model
+
+        return prepare_default_model()
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise SystemExit(
+            f"error: model {name!r} is neither a directory nor the bundled {DEFAULT_MODEL_NAME}; "
+            "vllm-aot never downloads from a hub"
+        )
+    return path
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
+
+
+def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor") -> None:
+    g = parser.add_argument_group("compiled shapes")
+    g.add_argument("--batch-size", type=int, default=32, help="max sequences per decode step")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="largest prefill chunk")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--backend", default=backend, choices=["inductor", "eager"])
+    g.add_argument("--decode-batch-buckets", type=_int_list, default=())
+    g.add_argument("--decode-context-buckets", type=_int_list, default=(), help="tokens")
+    g.add_argument("--prefill-token-buckets", type=_int_list, default=())
+    g.add_argument("--prefill-context-buckets", type=_int_list, default=(), help="tokens")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def config_from_args(args: argparse.Namespace):
+    from vllm_aot.runtime.config import RuntimeConfig
+
+    try:
+        return RuntimeConfig(
+            max_num_seqs=args.batch_size,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            dtype=args.dtype,
+            backend=args.backend,
+            decode_batch_buckets=args.decode_batch_buckets,
+            decode_context_buckets=args.decode_context_buckets,
+            prefill_token_buckets=args.prefill_token_buckets,
+            prefill_context_buckets=args.prefill_context_buckets,
+            num_kv_blocks=args.num_kv_blocks,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from vllm_aot.models.registry import supported_architectures
+
+    if args.action == "prepare":
+        from vllm_aot.models.prepare import prepare_default_model
+
+        print(prepare_default_model(force=args.force))
+        return 0
+    print("supported architectures:", ", ".join(supported_architectures()))
+    print(f"bundled model: {DEFAULT_MODEL_NAME} (prepare it with `vllm-aot models prepare`)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from vllm_aot.runtime.artifacts import export_model
+
+    config = config_from_args(args)
+    model_dir = resolve_model(args.model)
+    report = export_model(
+        model_dir, args.output, config, copy_weights=args.copy_weights, num_workers=args.workers
+    )
+    compiled = report.compile_seconds
+    print(
+        f"exported {model_dir.name} to {report.out_dir}: {len(compiled)} programs compiled "
+        f"({sum(compiled.values()):.0f} s of compile), {report.total_seconds:.0f} s in total"
+    )
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from vllm_aot.runtime.artifacts import is_artifact_dir, load_artifact
+    from vllm_aot.runtime.loader import load_model
+
+    model_dir = resolve_model(args.model)
+    if is_artifact_dir(model_dir):
+        return model_dir, *load_artifact(model_dir)
+    return model_dir, *load_model(model_dir, config_from_args(args))
+
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about compilers.",
+    "Give me three tips for staying focused.",
+)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Generate chat answers through the runtime (what `serve` runs until the plugin lands)."""
+    from transformers import AutoTokenizer
+
+    from vllm_aot.runtime.generate import GenerationRequest, Generator
+    from vllm_aot.runtime.sampler import SamplingParams
+
+    model_dir, model, report = _load(args)
+    print(f"model ready: {report.summary()}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = args.prompt or list(DEMO_PROMPTS)
+    requests = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        requests.append(
+            GenerationRequest(
+                tokenizer(ids, add_special_tokens=False)["input_ids"],
+                max_tokens=args.max_tokens,
+                sampling=SamplingParams(temperature=args.temperature, seed=args.seed),
+            )
+        )
+    generator = Generator(model, eos_token_ids=[tokenizer.eos_token_id])
+    start = time.perf_counter()
+    results = generator.generate(requests)
+    seconds = time.perf_counter() - start
+    for prompt, result in zip(prompts, results, strict=True):
+        print(f"\n>>> {prompt}\n{tokenizer.decode(result.token_ids, skip_special_tokens=True)}")
+    num_tokens = sum(len(r.token_ids) for r in results)
+    print(f"\n{num_tokens} tokens in {seconds:.2f} s ({num_tokens / seconds:.1f} tok/s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-aot", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list supported models; prepare the bundled one")
+    p.add_argument("action", nargs="?", choices=["list", "prepare"], default="list")
+    p.add_argument("--force", action="store_true", help="convert the GGUF again")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("export", help="compile a model into an artifact directory")
+    p.add_argument("model", nargs="?", help=f"HF directory (default: {DEFAULT_MODEL_NAME})")
+    p.add_argument("-o", "--output", required=True, type=Path)
+    p.add_argument("--copy-weights", action="store_true", help="make the directory self-contained")
+    p.add_argument("--workers", type=int, default=None, help="parallel compile processes")
+    add_config_args(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("demo", help="chat completions through the runtime's generate loop")
+    p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
+    p.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    add_config_args(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
