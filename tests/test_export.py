@@ -1,0 +1,115 @@
+"""Export -> load round trip with the inductor backend (AOTInductor packages), and refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import tiny_config
+from vllm_aot.runtime.artifacts import (
+    MANIFEST_NAME,
+    ArtifactMismatchError,
+    export_model,
+    load_artifact,
+)
+from vllm_aot.runtime.generate import GenerationRequest, Generator
+from vllm_aot.runtime.loader import load_model
+from vllm_aot.runtime.sampler import SamplingParams
+
+# One bucket of each kind: four programs, about a minute of compile on two cores.
+COMPILED = dict(
+    backend="inductor",
+    decode_batch_buckets=(4,),
+    prefill_token_buckets=(64,),
+)
+PROMPTS = [[100, 200, 300, 400], list(range(1000, 1050)), [7] * 20]
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "tiny-llama"
+    report = export_model(tiny_model_dirs("llama"), out, tiny_config(**COMPILED))
+    return out, report
+
+
+def generate(model, prompts=PROMPTS):
+    requests = [
+        GenerationRequest(p, 10, SamplingParams(temperature=0.7, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    return [r.token_ids for r in Generator(model).generate(requests)]
+
+
+def test_export_compiles_every_program_once(exported):
+    out, report = exported
+    assert sorted(report.compile_seconds) == [
+        "decode_b4_c256",
+        "greedy_r4",
+        "prefill_t64_c256",
+        "sample_r4",
+    ]
+    assert sorted(p.name for p in (out / "programs").iterdir()) == [
+        "decode_b4_c256.pt2",
+        "greedy_r4.pt2",
+        "prefill_t64_c256.pt2",
+        "sample_r4.pt2",
+    ]
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+
+
+def test_exported_directory_loads_without_compiling_and_matches_eager(exported, tiny_model_dir):
+    out, _ = exported
+    compiled, report = load_artifact(out, expected=tiny_config(**COMPILED))
+    assert report.compiled == {}
+    assert len(report.loaded) == 4
+    eager, _ = load_model(tiny_model_dir, tiny_config(**{**COMPILED, "backend": "eager"}))
+    assert generate(compiled) == generate(eager)
+    ids = list(range(300, 340))
+    from vllm_aot.runtime.inputs import PrefillChunk
+
+    torch.testing.assert_close(
+        compiled.prefill_logits(PrefillChunk(ids, 0, [1, 2, 3])),
+        eager.prefill_logits(PrefillChunk(ids, 0, [1, 2, 3])),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_loading_for_another_configuration_is_refused(exported):
+    out, _ = exported
+    with pytest.raises(ArtifactMismatchError, match=r"max_num_seqs=4 \(asked 8\)"):
+        load_artifact(
+            out,
+            expected=tiny_config(**{**COMPILED, "max_num_seqs": 8, "decode_batch_buckets": (8,)}),
+        )
+
+
+def test_loading_an_artifact_from_another_torch_is_refused(exported, tmp_path):
+    out, _ = exported
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    manifest["torch_version"] = "1.0.0"
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactMismatchError, match=r"torch 1\.0\.0 \(this is 2\.13"):
+        load_artifact(copy)
+
+
+def test_an_incomplete_export_is_not_loadable(exported, tmp_path):
+    out, _ = exported
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "programs" / "decode_b4_c256.pt2").unlink()
+    with pytest.raises(FileNotFoundError, match="decode_b4_c256"):
+        load_artifact(copy)
+    (copy / MANIFEST_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match="not an exported vllm-aot artifact"):
+        load_artifact(copy)
+
+
+def test_export_refuses_the_eager_backend(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="backend='inductor'"):
+        export_model(tiny_model_dir, tmp_path / "x", tiny_config())
