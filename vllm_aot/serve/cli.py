@@ -151,6 +151,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Teacher-forced logits and greedy output against HF transformers; exit 1 on failure."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from vllm_aot.accuracy.logits import (
+        HFReference,
+        greedy_match,
+        teacher_forcing_sequences,
+        validate,
+    )
+    from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
+
+    console = Console()
+    model_dir, model, report = _load(args)
+    console.print(f"model ready: {report.summary()}")
+    messages = CHAT_PROMPTS
+    if args.prompts:
+        messages = tuple(line.strip() for line in args.prompts.read_text().splitlines())
+        messages = tuple(m for m in messages if m)
+    prompts = chat_prompt_token_ids(model_dir, messages)
+    reference = HFReference(model_dir)
+    sequences = teacher_forcing_sequences(reference, prompts, args.num_tokens)
+    three_way = model.config.dtype != "float32"
+    result = validate(model_dir, model, sequences, three_way=three_way, reference=reference)
+    header, *rows = result.summary_rows()
+    title = f"teacher-forced logits, {model.config.dtype}" + (" (three-way)" if three_way else "")
+    table = Table(*header, title=title)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"argmax agreement: {result.greedy_agreement:.1%}")
+    passed = result.passed
+    if not three_way:
+        matches = greedy_match(model_dir, model, prompts, args.num_tokens, reference=reference)
+        num_match = sum(m.is_match for m in matches)
+        console.print(
+            f"greedy: first {args.num_tokens} tokens equal HF on {num_match}/{len(matches)}"
+        )
+        passed = passed and num_match == len(matches)
+    console.print("[bold green]PASSED" if passed else "[bold red]FAILED")
+    return 0 if passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-aot", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -168,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="parallel compile processes")
     add_config_args(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("validate", help="logit validation against HF transformers")
+    p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
+    p.add_argument("--prompts", type=Path, help="file with one user message per line")
+    p.add_argument("--num-tokens", type=int, default=32, help="HF continuation to teacher-force")
+    add_config_args(p)
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("demo", help="chat completions through the runtime's generate loop")
     p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")

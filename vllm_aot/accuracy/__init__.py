@@ -1,0 +1,1 @@
+"""Accuracy checks of compiled models against HF transformers."""

@@ -1,0 +1,548 @@
+"""Logit validation of a CompiledModel against HF transformers.
+
+Teacher forcing: both models read the same token sequence (a chat prompt, usually followed by
+HF's own greedy continuation, so positions cover generated text too) and produce logits at every
+position. Ours go through the real serving path: `CompiledModel.prefill_logits`, chunk by chunk
+when the sequence is longer than the largest prefill bucket.
+
+Comparison, per position and per top-k slice: the slice "top k" is the k tokens with the largest
+*reference* logits at that position (`None` = the whole vocabulary). A slice passes at a position
+when every token in it satisfies
+
+    |ours - ref| <= atol + rtol * max|ref|      (max over the slice's tokens at that position)
+
+and we report the ratio max|ours - ref| / (atol + rtol * max|ref|): at most 1 means within
+tolerance, and its size says by how much a failing slice misses. The scale is the slice's largest
+logit, not each logit's own size (the convention of torch-neuronx's logit validation, where the
+default tolerances come from): logits are only defined up to a common shift, and measured against
+|ref| itself every logit near zero would fail even between two exact fp32 implementations.
+
+Three-way mode (for a served dtype below fp32, e.g. bfloat16): baseline = HF in fp32, expected =
+HF in the served dtype, target = ours in the served dtype; ratios of target vs baseline and of
+expected vs baseline are taken at every position of every prompt. A slice passes when
+
+    worst target ratio <= 1
+    or (mean target ratio <= 1.1 * mean expected ratio
+        and worst target ratio <= 1.5 * worst expected ratio)
+
+that is: within tolerance of fp32 outright, or no further from fp32 than HF's own implementation
+in the same dtype, on average (10 % slack) and in the worst case (50 % slack). Reduced precision
+alone is never held against us; an error of our own is, whether it is spread over every position
+(the mean moves) or confined to a few (the worst case moves). The two statistics get different
+slack because a worst case over a few hundred positions is itself noisy: with identical error
+distributions (same mean and quantiles) the worst cases of two bf16 implementations differ by up
+to ~20 % on SmolLM2, so comparing worst cases with 10 % slack would fail at random.
+
+`greedy_match` checks free-running output: our Generator's greedy tokens against
+`hf_model.generate(do_sample=False)`, both ignoring EOS so they run the full length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_aot.runtime.config import DTYPES
+from vllm_aot.runtime.generate import GenerationRequest, Generator
+from vllm_aot.runtime.inputs import PrefillChunk
+from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
+from vllm_aot.runtime.model import CompiledModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """|ours - ref| <= atol + rtol * max|ref| for every token of a slice (see module docstring)."""
+
+    atol: float
+    rtol: float
+
+
+# top k (None = every token) -> tolerance; tighter for the tokens that matter most.
+DEFAULT_TOLERANCES: Mapping[int | None, Tolerance] = MappingProxyType(
+    {
+        5: Tolerance(1e-5, 0.011),
+        50: Tolerance(1e-5, 0.02),
+        1000: Tolerance(1e-5, 0.03),
+        None: Tolerance(1e-5, 0.05),
+    }
+)
+
+# Three-way rule: how much further from fp32 than HF's own reduced-precision run ours may be.
+EXPECTED_MEAN_SLACK = 1.1
+EXPECTED_WORST_SLACK = 1.5
+
+TokenIds = Sequence[int]
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; supported: {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def slice_label(top_k: int | None) -> str:
+    """How a slice is named in reports: 'top 5', ..., 'all'."""
+    return "all" if top_k is None else f"top {top_k}"
+
+
+def _ordered(tolerances: Mapping[int | None, Tolerance]) -> list[tuple[int | None, Tolerance]]:
+    """Slices from the narrowest to the whole vocabulary."""
+    return sorted(tolerances.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+
+
+# --------------------------------------------------------------------------------------------
+# Logits: HF reference and ours
+
+
+class HFReference:
+    """HF transformers models of one directory, each dtype loaded once and kept for reuse.
+
+    The models are private copies: their generation config is replaced by a neutral one (no
+    repetition penalty or other logits processors), so `greedy` is plain argmax decoding. Greedy
+    continuations are remembered too (HF generation is the slow part of a validation run).
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._models: dict[torch.dtype, PreTrainedModel] = {}
+        self._continuations: dict[tuple[tuple[int, ...], int, torch.dtype], tuple[int, ...]] = {}
+
+    def model(self, dtype: torch.dtype | str = torch.float32) -> PreTrainedModel:
+        """The HF model in `dtype`, in eval mode (loaded on first use)."""
+        dtype = _torch_dtype(dtype)
+        if dtype not in self._models:
+            from transformers import AutoModelForCausalLM, GenerationConfig
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+            model.eval()
+            pad = model.config.pad_token_id
+            model.generation_config = GenerationConfig(pad_token_id=0 if pad is None else pad)
+            self._models[dtype] = model
+        return self._models[dtype]
+
+    def logits(self, token_ids: TokenIds, dtype: torch.dtype | str = torch.float32) -> torch.Tensor:
+        """Teacher-forced logits, [len(token_ids), vocab] float32: row i predicts token i + 1."""
+        model = self.model(dtype)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([list(token_ids)]), use_cache=False)
+        return out.logits[0].float()
+
+    def greedy(
+        self, prompt_token_ids: TokenIds, num_tokens: int, dtype: torch.dtype | str = torch.float32
+    ) -> list[int]:
+        """Exactly `num_tokens` argmax tokens after the prompt (EOS does not stop generation)."""
+        dtype = _torch_dtype(dtype)
+        key = (tuple(prompt_token_ids), num_tokens, dtype)
+        if key not in self._continuations:
+            self._continuations[key] = tuple(self._generate(prompt_token_ids, num_tokens, dtype))
+        return list(self._continuations[key])
+
+    def _generate(
+        self, prompt_token_ids: TokenIds, num_tokens: int, dtype: torch.dtype
+    ) -> list[int]:
+        model = self.model(dtype)
+        prompt = torch.tensor([list(prompt_token_ids)])
+        with torch.inference_mode():
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                max_new_tokens=num_tokens,
+                eos_token_id=None,
+            )
+        generated = [int(t) for t in out[0, prompt.shape[1] :]]
+        if len(generated) != num_tokens:
+            raise RuntimeError(
+                f"HF generate returned {len(generated)} tokens, asked for {num_tokens}"
+            )
+        return generated
+
+
+def reference_logits(
+    model_dir: str | Path, token_ids: TokenIds, dtype: torch.dtype | str = torch.float32
+) -> torch.Tensor:
+    """HF transformers' teacher-forced logits, [len(token_ids), vocab] float32.
+
+    Loads the model for this call only; keep an `HFReference` to reuse it across calls.
+    """
+    return HFReference(model_dir).logits(token_ids, dtype)
+
+
+def our_logits(model: CompiledModel, token_ids: TokenIds) -> torch.Tensor:
+    """Our teacher-forced logits, [len(token_ids), vocab] float32: row i predicts token i + 1.
+
+    Runs the serving path (`prefill_logits`), in chunks of the largest prefill bucket, each chunk
+    reading the earlier ones from the paged KV cache. Raises ValueError, naming the limit, when
+    the sequence cannot be fed under the model's config. Uses KV blocks of the model's cache, so
+    it must not run while a Generator on the same model has requests in flight.
+    """
+    config = model.config
+    num_tokens = len(token_ids)
+    if num_tokens == 0:
+        raise ValueError("token_ids is empty")
+    if num_tokens > config.max_model_len:
+        raise ValueError(
+            f"{num_tokens} tokens exceed max_model_len ({config.max_model_len}) of the config"
+        )
+    chunk_size = max(config.prefill_token_buckets)
+    last_start = (num_tokens - 1) // chunk_size * chunk_size
+    num_ctx = blocks_needed(last_start, config.block_size) * config.block_size
+    if num_ctx > max(config.prefill_context_buckets):
+        raise ValueError(
+            f"{num_tokens} tokens need a last chunk reading {num_ctx} cached tokens, more than "
+            f"the largest prefill context bucket ({max(config.prefill_context_buckets)})"
+        )
+    allocator = BlockAllocator(config.total_kv_blocks)
+    block_table = allocator.allocate(blocks_needed(num_tokens, config.block_size))
+    try:
+        with torch.no_grad():
+            parts = [
+                model.prefill_logits(
+                    PrefillChunk(list(token_ids[start : start + chunk_size]), start, block_table)
+                )
+                for start in range(0, num_tokens, chunk_size)
+            ]
+    finally:
+        allocator.free(block_table)
+    return torch.cat(parts).float()
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison
+
+
+@dataclass(frozen=True)
+class SliceResult:
+    """One top-k slice of one sequence: how close `ours` is to `ref`, position by position."""
+
+    top_k: int | None  # None = whole vocabulary
+    tolerance: Tolerance
+    position_ratios: tuple[float, ...]  # per position: max|ours-ref| / (atol + rtol*max|ref|)
+    worst_ratio: float
+    worst_position: int
+    mean_ratio: float
+
+    @property
+    def passed(self) -> bool:
+        return self.worst_ratio <= 1.0
+
+
+@dataclass(frozen=True)
+class LogitComparison:
+    """Every slice of one teacher-forced sequence, and how often the argmax agrees."""
+
+    slices: tuple[SliceResult, ...]  # narrowest first, as `_ordered` sorts them
+    num_positions: int
+    num_greedy_agreements: int  # positions where argmax(ours) == argmax(ref)
+    passed: bool  # every slice within tolerance at every position
+
+    @property
+    def greedy_agreement(self) -> float:
+        return self.num_greedy_agreements / self.num_positions
+
+    def slice(self, top_k: int | None) -> SliceResult:
+        """The result for `top_k`; KeyError when it was not compared."""
+        for result in self.slices:
+            if result.top_k == top_k:
+                return result
+        raise KeyError(f"no slice {slice_label(top_k)}")
+
+
+def tolerance_ratios(
+    ours: torch.Tensor, ref: torch.Tensor, top_k: int | None, tolerance: Tolerance
+) -> torch.Tensor:
+    """[positions] max|ours-ref| / (atol + rtol * max|ref|) over the top-k tokens of `ref`.
+
+    NaN in `ours` gives an infinite ratio, so it can never pass.
+    """
+    if top_k is not None and top_k < ref.shape[-1]:
+        index = ref.topk(top_k, dim=-1).indices
+        ours, ref = ours.gather(-1, index), ref.gather(-1, index)
+    error = (ours.double() - ref.double()).abs().amax(dim=-1)
+    scale = tolerance.atol + tolerance.rtol * ref.double().abs().amax(dim=-1)
+    ratio = error / scale
+    return torch.where(ratio.isnan(), torch.inf, ratio)
+
+
+def compare_logits(
+    ours: torch.Tensor,
+    ref: torch.Tensor,
+    tolerances: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES,
+) -> LogitComparison:
+    """Compare [positions, vocab] logits per slice; `passed` iff every slice is in tolerance."""
+    if ours.shape != ref.shape:
+        raise ValueError(f"shape mismatch: ours {tuple(ours.shape)}, reference {tuple(ref.shape)}")
+    if ref.shape[0] == 0:
+        raise ValueError("no positions to compare")
+    ours, ref = ours.float(), ref.float()
+    slices = []
+    for top_k, tolerance in _ordered(tolerances):
+        ratios = tolerance_ratios(ours, ref, top_k, tolerance)
+        worst = int(ratios.argmax())
+        slices.append(
+            SliceResult(
+                top_k=top_k,
+                tolerance=tolerance,
+                position_ratios=tuple(ratios.tolist()),
+                worst_ratio=float(ratios[worst]),
+                worst_position=worst,
+                mean_ratio=float(ratios.mean()),
+            )
+        )
+    return LogitComparison(
+        slices=tuple(slices),
+        num_positions=ref.shape[0],
+        num_greedy_agreements=int((ours.argmax(-1) == ref.argmax(-1)).sum()),
+        passed=all(s.passed for s in slices),
+    )
+
+
+def slice_passes(
+    worst_ratio: float,
+    mean_ratio: float,
+    expected_worst_ratio: float | None = None,
+    expected_mean_ratio: float | None = None,
+) -> bool:
+    """The pass rule of the module docstring; no expected ratios = a two-way comparison."""
+    if worst_ratio <= 1.0:
+        return True
+    if expected_worst_ratio is None or expected_mean_ratio is None:
+        return False
+    return (
+        mean_ratio <= expected_mean_ratio * EXPECTED_MEAN_SLACK
+        and worst_ratio <= expected_worst_ratio * EXPECTED_WORST_SLACK
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation over prompts
+
+
+@dataclass(frozen=True)
+class SliceVerdict:
+    """One slice over every position of every prompt: worst and mean case, and the verdict."""
+
+    top_k: int | None
+    tolerance: Tolerance
+    worst_ratio: float  # ours vs reference (the fp32 baseline in three-way mode)
+    worst_prompt: int
+    worst_position: int
+    mean_ratio: float
+    expected_worst_ratio: float | None  # three-way: HF in the served dtype vs the fp32 baseline
+    expected_mean_ratio: float | None
+    passed: bool
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """Teacher-forced validation over a set of prompts; `passed` iff every slice passes."""
+
+    dtype: str  # the dtype our model serves in
+    is_three_way: bool
+    slices: tuple[SliceVerdict, ...]
+    prompts: tuple[LogitComparison, ...]  # ours vs reference, per prompt
+    expected_prompts: tuple[LogitComparison, ...]  # three-way: HF served dtype vs baseline
+    passed: bool
+
+    @property
+    def greedy_agreement(self) -> float:
+        """Fraction of all positions where our argmax is the reference's."""
+        return _pooled_agreement(self.prompts)
+
+    @property
+    def expected_greedy_agreement(self) -> float | None:
+        """Three-way: the same fraction for HF in the served dtype."""
+        return _pooled_agreement(self.expected_prompts) if self.is_three_way else None
+
+    def slice(self, top_k: int | None) -> SliceVerdict:
+        """The verdict for `top_k`; KeyError when it was not compared."""
+        for verdict in self.slices:
+            if verdict.top_k == top_k:
+                return verdict
+        raise KeyError(f"no slice {slice_label(top_k)}")
+
+    def summary_rows(self) -> list[tuple[str, ...]]:
+        """A table, header row first: per slice the worst and mean ratio (ours, and HF in our
+        dtype when three-way), where the worst case is, and PASS/FAIL."""
+        header = ("slice", "worst ratio", "mean ratio")
+        if self.is_three_way:
+            header += ("HF worst", "HF mean")
+        rows = [(*header, "worst at", "result")]
+        for v in self.slices:
+            row = (slice_label(v.top_k), f"{v.worst_ratio:.3g}", f"{v.mean_ratio:.3g}")
+            if self.is_three_way:
+                row += (f"{v.expected_worst_ratio:.3g}", f"{v.expected_mean_ratio:.3g}")
+            where = f"prompt {v.worst_prompt} pos {v.worst_position}"
+            rows.append((*row, where, "PASS" if v.passed else "FAIL"))
+        return rows
+
+    def format_summary(self) -> str:
+        """The summary rows as an aligned text table, with a title and greedy agreement."""
+        rows = self.summary_rows()
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        agreement = f"greedy agreement {self.greedy_agreement:.1%}"
+        if self.expected_greedy_agreement is not None:
+            agreement += f" (HF {self.dtype}: {self.expected_greedy_agreement:.1%})"
+        mode = "three-way (ratios vs HF float32)" if self.is_three_way else "two-way"
+        title = f"{mode} validation of {self.dtype}: {'PASS' if self.passed else 'FAIL'}"
+        return "\n".join([title, *lines, agreement])
+
+
+def _pooled_agreement(comparisons: Sequence[LogitComparison]) -> float:
+    num_positions = sum(c.num_positions for c in comparisons)
+    return sum(c.num_greedy_agreements for c in comparisons) / max(num_positions, 1)
+
+
+def _reference_for(model_dir: str | Path, reference: HFReference | None) -> HFReference:
+    if reference is None:
+        return HFReference(model_dir)
+    if reference.model_dir.resolve() != Path(model_dir).resolve():
+        raise ValueError(f"reference is of {reference.model_dir}, not of {model_dir}")
+    return reference
+
+
+def _worst(comparisons: Sequence[LogitComparison], index: int) -> tuple[float, int, int]:
+    """(ratio, prompt, position) of the worst case of slice `index` over the comparisons."""
+    return max(
+        (c.slices[index].worst_ratio, p, c.slices[index].worst_position)
+        for p, c in enumerate(comparisons)
+    )
+
+
+def _mean(comparisons: Sequence[LogitComparison], index: int) -> float:
+    """Mean ratio of slice `index` over every position of every comparison."""
+    total = sum(c.slices[index].mean_ratio * c.num_positions for c in comparisons)
+    return total / sum(c.num_positions for c in comparisons)
+
+
+def validate(
+    model_dir: str | Path,
+    model: CompiledModel,
+    prompts: Sequence[TokenIds],
+    *,
+    three_way: bool,
+    tolerances: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES,
+    reference: HFReference | None = None,
+) -> ValidationReport:
+    """Teacher-forced logits of `model` against HF on every prompt, aggregated per slice.
+
+    Two-way: the reference is HF in our model's dtype and a slice passes only if it is within
+    tolerance at every position. Three-way: the reference is HF in fp32 and HF in our dtype is
+    the expected deviation (rule in the module docstring). `reference` reuses already loaded HF
+    models of `model_dir`. `passed` is True only if every slice passes.
+    """
+    if not prompts:
+        raise ValueError("no prompts to validate")
+    reference = _reference_for(model_dir, reference)
+    dtype = model.config.torch_dtype
+    baseline_dtype = torch.float32 if three_way else dtype
+    target, expected = [], []
+    for token_ids in prompts:
+        baseline = reference.logits(token_ids, baseline_dtype)
+        target.append(compare_logits(our_logits(model, token_ids), baseline, tolerances))
+        if three_way:
+            hf_served = reference.logits(token_ids, dtype)
+            expected.append(compare_logits(hf_served, baseline, tolerances))
+    verdicts = []
+    for index, (top_k, tolerance) in enumerate(_ordered(tolerances)):
+        worst, prompt, position = _worst(target, index)
+        mean = _mean(target, index)
+        expected_worst = _worst(expected, index)[0] if three_way else None
+        expected_mean = _mean(expected, index) if three_way else None
+        verdicts.append(
+            SliceVerdict(
+                top_k=top_k,
+                tolerance=tolerance,
+                worst_ratio=worst,
+                worst_prompt=prompt,
+                worst_position=position,
+                mean_ratio=mean,
+                expected_worst_ratio=expected_worst,
+                expected_mean_ratio=expected_mean,
+                passed=slice_passes(worst, mean, expected_worst, expected_mean),
+            )
+        )
+    return ValidationReport(
+        dtype=model.config.dtype,
+        is_three_way=three_way,
+        slices=tuple(verdicts),
+        prompts=tuple(target),
+        expected_prompts=tuple(expected),
+        passed=all(v.passed for v in verdicts),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Free-running greedy output
+
+
+def teacher_forcing_sequences(
+    reference: HFReference, prompts: Sequence[TokenIds], num_tokens: int = 32
+) -> list[list[int]]:
+    """Each prompt followed by HF fp32's greedy continuation of exactly `num_tokens` tokens."""
+    return [list(p) + reference.greedy(p, num_tokens, torch.float32) for p in prompts]
+
+
+@dataclass(frozen=True)
+class GreedyComparison:
+    """Greedy tokens after one prompt: ours and HF's, in the same dtype."""
+
+    prompt_token_ids: tuple[int, ...]
+    ours: tuple[int, ...]
+    reference: tuple[int, ...]
+
+    @property
+    def is_match(self) -> bool:
+        return self.ours == self.reference
+
+    @property
+    def num_matching(self) -> int:
+        """Length of the common prefix: where the two outputs first diverge."""
+        for i, (a, b) in enumerate(zip(self.ours, self.reference, strict=False)):
+            if a != b:
+                return i
+        return min(len(self.ours), len(self.reference))
+
+
+def greedy_match(
+    model_dir: str | Path,
+    model: CompiledModel,
+    prompts: Sequence[TokenIds],
+    num_tokens: int = 32,
+    *,
+    reference: HFReference | None = None,
+) -> list[GreedyComparison]:
+    """Our greedy output vs `hf_model.generate(do_sample=False)` for each prompt, in order.
+
+    Both run exactly `num_tokens` tokens (EOS ignored), HF in our model's dtype; ours through a
+    Generator that batches all prompts, as serving would. Raises ValueError when a prompt plus
+    `num_tokens` does not fit max_model_len.
+    """
+    limit = model.config.max_model_len
+    for p in prompts:
+        if len(p) + num_tokens > limit:
+            raise ValueError(f"{len(p)} prompt + {num_tokens} tokens exceed max_model_len {limit}")
+    reference = _reference_for(model_dir, reference)
+    requests = [GenerationRequest(list(p), max_tokens=num_tokens, ignore_eos=True) for p in prompts]
+    with torch.no_grad():
+        results = Generator(model).generate(requests)
+    dtype = model.config.torch_dtype
+    return [
+        GreedyComparison(
+            prompt_token_ids=tuple(p),
+            ours=tuple(result.token_ids),
+            reference=tuple(reference.greedy(p, num_tokens, dtype)),
+        )
+        for p, result in zip(prompts, results, strict=True)
+    ]
