@@ -53,7 +53,7 @@ def test_concurrent_sequences_of_different_lengths_match_hf(tiny_model_dir):
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(tiny_model_dir, prompt, 12)
         assert result.finish_reason == "length"
-    assert generator.allocator.num_free == model.config.total_kv_blocks - 1, "blocks leaked"
+    assert generator.allocator.num_free == model.kv.num_blocks - 1, "blocks leaked"
 
 
 def test_chunked_prefill_equals_one_shot_prefill(tiny_model_dir):
@@ -74,7 +74,7 @@ def test_chunked_prefill_equals_one_shot_prefill(tiny_model_dir):
 def test_several_prompts_packed_in_one_prefill_match_separate_runs(tiny_model_dir):
     model, _ = load_model(tiny_model_dir, tiny_config(), show_progress=False)
     prompts = prompts_of_lengths(9, 20, 30)
-    allocator = BlockAllocator(model.config.total_kv_blocks)
+    allocator = BlockAllocator(model.kv.num_blocks)
     chunks = [PrefillChunk(p, 0, allocator.allocate(2)) for p in prompts]
     rows = [RowSampling(GREEDY, 0, len(p)) for p in prompts]
     packed = model.prefill(chunks, rows)
@@ -100,7 +100,7 @@ def test_padding_never_touches_live_blocks(tiny_model_dir):
     """3 decode rows padded to a bucket of 4 and a 20-token prefill padded to 32 write only
     their own slots and the dummy block."""
     model, _ = load_model(tiny_model_dir, tiny_config(), show_progress=False)
-    allocator = BlockAllocator(model.config.total_kv_blocks)
+    allocator = BlockAllocator(model.kv.num_blocks)
     live = [allocator.allocate(4) for _ in range(4)]
     prompts = prompts_of_lengths(20, 20, 20, 20)
     for blocks, prompt in zip(live, prompts, strict=True):

@@ -202,7 +202,7 @@ def our_logits(model: CompiledModel, token_ids: TokenIds) -> torch.Tensor:
             f"{num_tokens} tokens need a last chunk reading {num_ctx} cached tokens, more than "
             f"the largest prefill context bucket ({max(config.prefill_context_buckets)})"
         )
-    allocator = BlockAllocator(config.total_kv_blocks)
+    allocator = BlockAllocator(model.kv.num_blocks)
     block_table = allocator.allocate(blocks_needed(num_tokens, config.block_size))
     try:
         with torch.no_grad():

@@ -58,7 +58,7 @@ class Generator:
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.allocator = BlockAllocator(self.config.total_kv_blocks)
+        self.allocator = BlockAllocator(model.kv.num_blocks)
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ValueError, naming the limit, for a request that can never run."""

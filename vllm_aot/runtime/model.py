@@ -40,14 +40,17 @@ class CompiledModel:
         config: RuntimeConfig,
         weights: ModelWeights,
         programs: Mapping[ProgramKey, Program],
+        *,
+        num_kv_blocks: int | None = None,
     ) -> None:
+        """`num_kv_blocks` sizes the KV pool (default: the config's); programs ignore it."""
         self.arch = arch
         self.config = config
         self.weights = weights
         self.programs = dict(programs)
         self.kv = KVCache(
             arch,
-            num_blocks=config.total_kv_blocks,
+            num_blocks=num_kv_blocks or config.total_kv_blocks,
             block_size=config.block_size,
             dtype=config.torch_dtype,
         )
@@ -77,8 +80,11 @@ class CompiledModel:
             self.kv.write(layer, slot_mapping, k_new, v_new)
         return hidden
 
-    def _head(self, hidden: torch.Tensor, sampling: Sequence[RowSampling]) -> SamplerOutput:
-        """hidden: [row bucket, hidden]; returns outputs for the real rows only."""
+    def sample(self, hidden: torch.Tensor, sampling: Sequence[RowSampling]) -> SamplerOutput:
+        """Head program over hidden: [row bucket, hidden]; outputs for the real rows only.
+
+        The greedy variant runs when every row is greedy, the sampling variant otherwise.
+        """
         num_rows = hidden.shape[0]
         is_greedy = all(r.params.top_k == 1 for r in sampling)
         kind = ProgramKind.GREEDY if is_greedy else ProgramKind.SAMPLE
@@ -87,11 +93,8 @@ class CompiledModel:
         out = self._program(ProgramKey(kind, num_rows))(hidden, w.final_norm, w.lm_head, *tensors)
         return SamplerOutput(*(t[: len(sampling)] for t in out))
 
-    def prefill(
-        self, chunks: Sequence[PrefillChunk], sampling: Sequence[RowSampling]
-    ) -> SamplerOutput:
-        """Run a prefill step; one sampled row per chunk (its last token)."""
-        assert len(chunks) == len(sampling), "one sampling row per chunk"
+    def forward_prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Layers of a prefill step; each chunk's last hidden state, [row bucket, hidden]."""
         num_tokens, num_ctx_tokens, _ = prefill_shape(chunks, self.config)
         inputs = prepare_prefill(chunks, self.config)
         key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
@@ -99,19 +102,29 @@ class CompiledModel:
         hidden = self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
         )
-        return self._head(hidden[inputs.logits_indices], sampling)
+        return hidden[inputs.logits_indices]
 
-    def decode(self, rows: Sequence[DecodeRow], sampling: Sequence[RowSampling]) -> SamplerOutput:
-        """Run a decode step: one new token per row."""
-        assert len(rows) == len(sampling), "one sampling row per decode row"
+    def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Layers of a decode step; [row bucket, hidden]."""
         num_rows, num_ctx_tokens = decode_shape(rows, self.config)
         inputs = prepare_decode(rows, self.config)
         key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
         context = (inputs.block_tables, inputs.context_mask)
-        hidden = self._run_layers(
+        return self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
         )
-        return self._head(hidden, sampling)
+
+    def prefill(
+        self, chunks: Sequence[PrefillChunk], sampling: Sequence[RowSampling]
+    ) -> SamplerOutput:
+        """Run a prefill step; one sampled row per chunk (its last token)."""
+        assert len(chunks) == len(sampling), "one sampling row per chunk"
+        return self.sample(self.forward_prefill(chunks), sampling)
+
+    def decode(self, rows: Sequence[DecodeRow], sampling: Sequence[RowSampling]) -> SamplerOutput:
+        """Run a decode step: one new token per row."""
+        assert len(rows) == len(sampling), "one sampling row per decode row"
+        return self.sample(self.forward_decode(rows), sampling)
 
     def prefill_logits(self, chunk: PrefillChunk) -> torch.Tensor:
         """Logits at every position of one chunk, [tokens, vocab] float32 (for validation).
@@ -133,5 +146,5 @@ class CompiledModel:
             padded = torch.zeros(rows, part.shape[1], dtype=part.dtype)
             padded[: part.shape[0]] = part
             sampling = [RowSampling(greedy, 0, 0)] * part.shape[0]
-            logits.append(self._head(padded, sampling).logits)
+            logits.append(self.sample(padded, sampling).logits)
         return torch.cat(logits)

@@ -1,0 +1,49 @@
+"""A real `vllm serve` process on a tiny random model, our platform, eager backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_aot.testing import free_port, running_server, vllm_server_command
+
+MAX_MODEL_LEN = 256
+SERVER_ARGS = [
+    "--served-model-name",
+    "tiny",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "64",
+    "--block-size",
+    "16",
+    "--dtype",
+    "float32",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    # A random-weight model would fill JSON with whitespace until max_tokens.
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+]
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dirs, tmp_path_factory):
+    """Base URL of a running server; stopped (SIGTERM, then SIGKILL) after the session."""
+    port = free_port()
+    command = vllm_server_command(
+        tiny_model_dirs("llama"), port, args=SERVER_ARGS, additional_config={"backend": "eager"}
+    )
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(command, port=port, env=SERVER_ENV, log_path=log, timeout=240) as url:
+        yield url
+
+
+@pytest.fixture
+def client(tiny_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{tiny_server}/v1", api_key="unused", max_retries=0)

@@ -1,0 +1,1 @@
+"""The vLLM seam: everything that imports vLLM lives in this package."""

@@ -1,0 +1,108 @@
+"""AotOptions: our settings for one vLLM engine, resolved once from vLLM's config.
+
+Sources, in order: an exported artifact directory given as the model (its manifest fixes every
+shape); vLLM's own flags where the user set them (--max-model-len, --max-num-seqs,
+--max-num-batched-tokens, --block-size, --dtype); `--additional-config` keys named like
+RuntimeConfig fields (`backend`, `decode_batch_buckets`, ...) plus `programs_dir` and
+`require_cached`; otherwise our defaults. The platform resolves them in the front-end process and
+stores the result in `additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_aot.runtime.artifacts import is_artifact_dir, read_manifest
+from vllm_aot.runtime.config import RuntimeConfig
+
+RESOLVED_KEY = "vllm_aot"
+OPTION_KEYS = ("programs_dir", "require_cached")
+# vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
+# a value equal to one of these means the user did not choose one, so ours applies.
+_VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256)
+_VLLM_DEFAULT_MAX_BATCHED_TOKENS = (2048, 4096)
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class AotOptions:
+    runtime: RuntimeConfig
+    artifact_dir: Path | None = None  # the model is an exported directory: load, never compile
+    programs_dir: Path | None = None  # where compiled programs live (default: the cache)
+    require_cached: bool = False  # a missing program is an error instead of a compile
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = asdict(self)
+        fields["runtime"] = self.runtime.to_dict()
+        for name in ("artifact_dir", "programs_dir"):
+            fields[name] = str(fields[name]) if fields[name] else None
+        return fields
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> AotOptions:
+        return cls(
+            runtime=RuntimeConfig.from_dict(fields["runtime"]),
+            artifact_dir=Path(fields["artifact_dir"]) if fields.get("artifact_dir") else None,
+            programs_dir=Path(fields["programs_dir"]) if fields.get("programs_dir") else None,
+            require_cached=bool(fields.get("require_cached", False)),
+        )
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype {name} is not supported by vllm-aot; supported: bfloat16, float32")
+    return name
+
+
+def resolve_options(
+    *,
+    model: str,
+    dtype: Any,
+    max_model_len: int,
+    is_max_model_len_set: bool,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+    is_block_size_set: bool,
+    extra: dict[str, Any],
+) -> AotOptions:
+    """Decide the compiled shapes for an engine (see the module docstring for precedence)."""
+    extra = {k: v for k, v in (extra or {}).items() if k != RESOLVED_KEY}
+    known = set(RuntimeConfig.__dataclass_fields__) | set(OPTION_KEYS)
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown vllm-aot option(s) in --additional-config: {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    options = {k: extra.pop(k) for k in OPTION_KEYS if k in extra}
+    if is_artifact_dir(model):
+        runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
+        if extra:
+            raise ValueError(
+                f"{model} is an exported directory whose shapes are fixed; "
+                f"remove {', '.join(sorted(extra))} from --additional-config"
+            )
+        return AotOptions(runtime=runtime, artifact_dir=Path(model), **options)
+    fields: dict[str, Any] = {
+        "max_model_len": max_model_len
+        if is_max_model_len_set
+        else min(max_model_len, DEFAULT_MAX_MODEL_LEN),
+        "dtype": _dtype_name(dtype),
+    }
+    if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
+        fields["max_num_seqs"] = max_num_seqs
+    if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:
+        fields["max_num_batched_tokens"] = max_num_batched_tokens
+    if is_block_size_set:
+        fields["block_size"] = block_size
+    fields.update(extra)
+    for name, value in fields.items():
+        if name.endswith("_buckets"):
+            fields[name] = tuple(value)
+    default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
+    fields.setdefault("max_num_batched_tokens", min(default_chunk, fields["max_model_len"]))
+    return AotOptions(runtime=RuntimeConfig(**fields), **options)

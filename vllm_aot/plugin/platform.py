@@ -1,0 +1,113 @@
+"""AotPlatform: vLLM's CPU platform, running our compiled runtime instead of vLLM's model runner.
+
+Subclassing CpuPlatform keeps everything vLLM does for a CPU device (thread and memory set-up,
+gloo, the CPU defaults). `check_and_update_config` is the documented hook where a platform
+installs its worker and scheduler; we also resolve our options there, once, and make vLLM's
+scheduler limits agree with the compiled shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.platforms.cpu import CpuPlatform
+
+from vllm_aot.models.registry import supported_architectures
+from vllm_aot.plugin.options import RESOLVED_KEY, resolve_options
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
+
+WORKER_CLS = "vllm_aot.plugin.worker.AotWorker"
+SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotScheduler"
+
+
+def _refuse_unsupported(vllm_config) -> None:
+    """Options our runtime cannot honour fail here, naming what is supported."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    problems = []
+    archs = list(getattr(model_config.hf_config, "architectures", None) or [])
+    if not set(archs) & set(supported_architectures()):
+        problems.append(f"architecture {archs} (supported: {', '.join(supported_architectures())})")
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        problems.append("tensor/pipeline parallelism (use vllm-aot serve --data-parallel-size)")
+    if parallel.data_parallel_size > 1:
+        problems.append("vLLM's data parallelism (use vllm-aot serve --data-parallel-size)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA adapters")
+    if model_config.runner_type != "generate":
+        problems.append(f"runner {model_config.runner_type!r} (only 'generate')")
+    if model_config.quantization:
+        problems.append(f"quantization {model_config.quantization!r}")
+    if model_config.is_multimodal_model:
+        problems.append("multimodal models")
+    if problems:
+        raise ValueError("vllm-aot does not support " + "; ".join(problems))
+
+
+class AotPlatform(CpuPlatform):
+    device_name = "cpu"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        model_config = vllm_config.model_config
+        if model_config is None:  # bare configs built by vLLM internals and tests
+            return super().check_and_update_config(vllm_config)
+        _refuse_unsupported(vllm_config)
+        cache_config = vllm_config.cache_config
+        scheduler_config = vllm_config.scheduler_config
+        extra = dict(vllm_config.additional_config or {})
+        options = resolve_options(
+            model=model_config.model,
+            dtype=model_config.dtype,
+            max_model_len=model_config.max_model_len,
+            is_max_model_len_set=model_config.original_max_model_len is not None,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            block_size=cache_config.block_size,
+            is_block_size_set=cache_config.user_specified_block_size,
+            extra=extra,
+        )
+        runtime = options.runtime
+        super().check_and_update_config(vllm_config)
+        if not scheduler_config.enable_chunked_prefill:
+            logger.warning("vllm-aot always prefills long prompts in chunks; enabling it")
+            scheduler_config.enable_chunked_prefill = True
+
+        # The compiled shapes are the limits vLLM schedules within.
+        model_config.max_model_len = runtime.max_model_len
+        scheduler_config.max_model_len = runtime.max_model_len
+        scheduler_config.max_num_seqs = runtime.max_num_seqs
+        scheduler_config.max_num_batched_tokens = runtime.max_num_batched_tokens
+        cache_config.block_size = runtime.block_size
+        model_config.max_logprobs = min(model_config.max_logprobs, runtime.num_logprobs)
+        vllm_config.parallel_config.worker_cls = WORKER_CLS
+        scheduler_config.scheduler_cls = SCHEDULER_CLS
+        # One engine process holds the worker: no extra process hop per step.
+        vllm_config.parallel_config.distributed_executor_backend = "uni"
+        extra[RESOLVED_KEY] = options.to_dict()
+        vllm_config.additional_config = extra
+        logger.info(
+            "vllm-aot: %s backend, %s, max_num_seqs=%d, max_model_len=%d, block_size=%d, "
+            "prefill chunks %s, decode batches %s, decode contexts %s%s",
+            runtime.backend,
+            runtime.dtype,
+            runtime.max_num_seqs,
+            runtime.max_model_len,
+            runtime.block_size,
+            runtime.prefill_token_buckets,
+            runtime.decode_batch_buckets,
+            runtime.decode_context_buckets,
+            f", from {options.artifact_dir}" if options.artifact_dir else "",
+        )
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """Front-end check (HTTP 400) for what the compiled runtime cannot serve."""
+        from vllm.sampling_params import SamplingParams
+
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            raise ValueError("vllm-aot does not return prompt_logprobs")
+        super().validate_request(processed_inputs, params)

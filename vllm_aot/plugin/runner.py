@@ -1,0 +1,232 @@
+"""AotModelRunner: vLLM's SchedulerOutput -> bucketed program runs -> vLLM's ModelRunnerOutput.
+
+Per step: forget finished requests, record new and updated ones (the scheduler sends prompts,
+blocks and sampling parameters once; we keep the tokens we sample), then run the layers in
+`execute_model` and the head in `sample_tokens`, after vLLM has computed the grammar bitmask for
+structured-output requests. A step is all-prefill or all-decode (AotScheduler's guarantee).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+
+from vllm_aot.plugin.logits import process_logits
+from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing
+from vllm_aot.runtime.inputs import (
+    DecodeRow,
+    PrefillChunk,
+    RowSampling,
+    prefill_shape,
+    prepare_sampling,
+)
+from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.sampler import SamplerOutput, greedy_sample, random_sample
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    request: CachedRequest
+    start: int  # first position computed this step
+    num_tokens: int  # tokens computed this step
+
+    @property
+    def is_complete(self) -> bool:
+        """The step reaches the end of the request's known tokens: a token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        req = self.request
+        return self.num_tokens == 1 and self.is_complete and self.start >= len(req.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class LayerOutput:
+    """Hidden states of one program run, waiting for the head: rows[i] <-> hidden[i]."""
+
+    rows: tuple[ScheduledRow, ...]
+    hidden: torch.Tensor  # [row bucket, hidden]
+
+
+class AotModelRunner:
+    def __init__(self, model: CompiledModel) -> None:
+        self.model = model
+        self.requests: dict[str, CachedRequest] = {}
+        self._pending: tuple[list[ScheduledRow], list[LayerOutput]] | None = None
+
+    # -- state ------------------------------------------------------------------------------
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        vocab_size = self.model.arch.vocab_size
+        for new in out.scheduled_new_reqs:
+            assert new.prompt_token_ids is not None, "vllm-aot serves token prompts only"
+            self.requests[new.req_id] = CachedRequest.new(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                params=new.sampling_params,
+                block_ids=new.block_ids[0],
+                num_computed_tokens=new.num_computed_tokens,
+                vocab_size=vocab_size,
+            )
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self.requests[req_id]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted and rescheduled: fresh blocks, tokens resent in full.
+                req.block_table = list(new_blocks[0]) if new_blocks else []
+                all_tokens = cached.all_token_ids[req_id]
+                req.output_token_ids = list(all_tokens[len(req.prompt_token_ids) :])
+            elif new_blocks is not None:
+                req.block_table.extend(new_blocks[0])
+            req.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.num_output_tokens:
+                del req.output_token_ids[cached.num_output_tokens[i] :]
+
+    # -- execution --------------------------------------------------------------------------
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the layers of this step; the head runs in `sample_tokens`."""
+        self.update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        rows = [
+            ScheduledRow(self.requests[rid], self.requests[rid].num_computed_tokens, n)
+            for rid, n in out.num_scheduled_tokens.items()
+        ]
+        num_decode = sum(r.is_decode for r in rows)
+        assert num_decode in (0, len(rows)), (
+            f"mixed step: {num_decode} decode and {len(rows) - num_decode} prefill rows; "
+            "AotScheduler never schedules one"
+        )
+        if num_decode:
+            decode_rows = [
+                DecodeRow(r.request.token(r.start), r.start, r.request.block_table) for r in rows
+            ]
+            layers = [LayerOutput(tuple(rows), self.model.forward_decode(decode_rows))]
+        else:
+            layers = [
+                LayerOutput(tuple(group), self.model.forward_prefill([_chunk(r) for r in group]))
+                for group in self._prefill_groups(rows)
+            ]
+        self._pending = (rows, layers)
+        return None
+
+    def _prefill_groups(self, rows: Sequence[ScheduledRow]) -> list[list[ScheduledRow]]:
+        """Split a prefill step into runs that each fit one prefill program."""
+        groups: list[list[ScheduledRow]] = [[]]
+        for row in rows:
+            candidate = [*groups[-1], row]
+            try:
+                prefill_shape([_chunk(r) for r in candidate], self.model.config)
+                groups[-1] = candidate
+            except ValueError:
+                assert groups[-1], f"request {row.request.req_id} fits no prefill program"
+                groups.append([row])
+        return groups
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """Head programs (with structured-output masks), host-side processing, runner output."""
+        if self._pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        rows, layers = self._pending
+        self._pending = None
+        masks = _grammar_masks(grammar_output)
+        sampled: dict[str, tuple[int, SamplerOutput, int]] = {}
+        for layer in layers:
+            sampling = [
+                RowSampling(
+                    r.request.sampling,
+                    r.request.seed,
+                    r.start + r.num_tokens,
+                    masks.get(r.request.req_id),
+                )
+                for r in layer.rows
+            ]
+            out = self.model.sample(layer.hidden, sampling)
+            for i, row in enumerate(layer.rows):
+                if row.is_complete:
+                    token = int(out.tokens[i])
+                    if needs_logits_processing(row.request.params):
+                        token = self._resample(out.logits[i], row, sampling[i])
+                    sampled[row.request.req_id] = (token, out, i)
+        return self._runner_output(rows, sampled)
+
+    def _resample(self, logits: torch.Tensor, row: ScheduledRow, sampling: RowSampling) -> int:
+        processed = process_logits(logits, row.request)[None]
+        tensors = prepare_sampling([sampling], 1, processed.shape[-1])
+        config = self.model.config
+        if sampling.params.top_k == 1:
+            out = greedy_sample(processed, tensors, 1)
+        else:
+            candidates = min(config.num_sampling_candidates, processed.shape[-1])
+            out = random_sample(processed, tensors, 1, candidates)
+        return int(out.tokens[0])
+
+    def _runner_output(
+        self, rows: Sequence[ScheduledRow], sampled: dict[str, tuple[int, SamplerOutput, int]]
+    ) -> ModelRunnerOutput:
+        req_ids = [r.request.req_id for r in rows]
+        tokens = []
+        for row in rows:
+            if row.request.req_id in sampled:
+                token = sampled[row.request.req_id][0]
+                row.request.output_token_ids.append(token)
+                tokens.append([token])
+            else:
+                tokens.append([])  # a prefill chunk that does not end the prompt
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=tokens,
+            logprobs=_logprobs(rows, sampled),
+        )
+
+
+def _chunk(row: ScheduledRow) -> PrefillChunk:
+    req = row.request
+    return PrefillChunk(
+        req.tokens(row.start, row.start + row.num_tokens), row.start, req.block_table
+    )
+
+
+def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
+    """req_id -> packed int32 vocabulary mask, for structured-output requests this step."""
+    if grammar_output is None:
+        return {}
+    bitmask = torch.from_numpy(np.asarray(grammar_output.grammar_bitmask, dtype=np.int32))
+    return {
+        req_id: bitmask[i] for i, req_id in enumerate(grammar_output.structured_output_request_ids)
+    }
+
+
+def _logprobs(
+    rows: Sequence[ScheduledRow], sampled: dict[str, tuple[int, SamplerOutput, int]]
+) -> LogprobsLists | None:
+    """vLLM's layout: column 0 the sampled token, then the top-K; ranks are 1-based."""
+    wanted = [r.request.params.logprobs for r in rows if r.request.params.logprobs is not None]
+    if not wanted:
+        return None
+    k = max(wanted)
+    ids = np.zeros((len(rows), k + 1), dtype=np.int32)
+    values = np.zeros((len(rows), k + 1), dtype=np.float32)
+    ranks = np.zeros(len(rows), dtype=np.int64)
+    for i, row in enumerate(rows):
+        entry = sampled.get(row.request.req_id)
+        if entry is None or row.request.params.logprobs is None:
+            continue
+        token, out, j = entry
+        logprobs = torch.log_softmax(out.logits[j], dim=-1)
+        ids[i, 0], values[i, 0] = token, float(logprobs[token])
+        ids[i, 1:] = out.top_ids[j, :k].numpy()
+        values[i, 1:] = out.top_logprobs[j, :k].numpy()
+        ranks[i] = int((logprobs >= logprobs[token]).sum())
+    return LogprobsLists(ids, values, ranks)

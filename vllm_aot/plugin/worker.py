@@ -1,0 +1,151 @@
+"""AotWorker: the vLLM worker that owns our compiled model.
+
+Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (programs — loaded
+from disk or compiled — and weights), `get_kv_cache_spec` (our pools' geometry),
+`determine_available_memory` (the KV budget), `initialize_from_config` (pool of vLLM's block
+count), `compile_or_warm_up_model` (compile/load report). Then `execute_model`/`sample_tokens`
+per step, delegated to AotModelRunner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import psutil
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from vllm_aot.models.registry import load_arch
+from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.runner import AotModelRunner
+from vllm_aot.runtime.loader import (
+    LoadReport,
+    check_fits,
+    compile_missing_programs,
+    default_programs_dir,
+    load_programs,
+    load_weights_timed,
+    program_path,
+)
+from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.programs import all_program_keys
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
+
+
+class AotWorker(WorkerBase):
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        self.runner: AotModelRunner | None = None
+
+    def load_model(self, *args, **kwargs) -> None:
+        options, runtime = self.options, self.options.runtime
+        self.model_dir = options.artifact_dir or self.model_config.model
+        self.arch = load_arch(self.model_dir)
+        check_fits(self.arch, runtime)
+        report = LoadReport()
+        start = time.perf_counter()
+        programs_dir = None
+        if runtime.backend == "inductor":
+            programs_dir = (
+                options.artifact_dir / "programs"
+                if options.artifact_dir
+                else options.programs_dir or default_programs_dir(self.arch, runtime)
+            )
+            self._ensure_programs(programs_dir, report)
+        self._programs = load_programs(self.arch, runtime, programs_dir, report)
+        weights_dir = self._weights_dir()
+        self._weights = load_weights_timed(weights_dir, self.arch, runtime, report)
+        self._report = report
+        self._load_seconds = time.perf_counter() - start
+        for name, seconds in sorted(report.compiled.items()):
+            logger.info("vllm-aot: program %s compiled in %.1f s", name, seconds)
+        for name, seconds in sorted(report.loaded.items()):
+            logger.info("vllm-aot: program %s loaded from cache in %.3f s", name, seconds)
+        logger.info("vllm-aot: %s (programs in %s)", report.summary(), programs_dir or "eager")
+
+    def _ensure_programs(self, programs_dir, report: LoadReport) -> None:
+        missing = [
+            k.name
+            for k in all_program_keys(self.options.runtime)
+            if not program_path(programs_dir, k).is_file()
+        ]
+        if not missing:
+            return
+        if self.options.artifact_dir or self.options.require_cached:
+            raise RuntimeError(
+                f"{len(missing)} compiled programs are missing from {programs_dir} "
+                f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}) and compiling "
+                "is not allowed here; export them first with `vllm-aot export`"
+            )
+        report.compiled = compile_missing_programs(
+            self.arch, self.options.runtime, programs_dir, show_progress=False
+        )
+
+    def _weights_dir(self):
+        if self.options.artifact_dir is None:
+            return self.model_config.model
+        from vllm_aot.runtime.artifacts import read_manifest
+
+        weights = read_manifest(self.options.artifact_dir)["weights"]
+        return self.options.artifact_dir if weights["copied"] else weights["source"]
+
+    def get_kv_cache_spec(self) -> dict:
+        runtime = self.options.runtime
+        spec = FullAttentionSpec(
+            block_size=runtime.block_size,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_size=self.arch.head_dim,
+            dtype=runtime.torch_dtype,
+        )
+        return {f"model.layers.{i}.self_attn": spec for i in range(self.arch.num_layers)}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]  # ours: [layer][block][position][head][dim]
+
+    def determine_available_memory(self) -> int:
+        """KV budget: VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes when set, else
+        --gpu-memory-utilization of this machine's memory minus what this process uses."""
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit:
+            return int(explicit)
+        total = psutil.virtual_memory().total
+        used = psutil.Process().memory_info().rss
+        return max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.model = CompiledModel(
+            self.arch,
+            self.options.runtime,
+            self._weights,
+            self._programs,
+            num_kv_blocks=kv_cache_config.num_blocks,
+        )
+        self.runner = AotModelRunner(self.model)
+        logger.info("vllm-aot: KV pool of %d blocks", kv_cache_config.num_blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=sum(self._report.compiled.values()), encoder=0.0)
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def execute_model(self, scheduler_output):
+        return self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        return self.runner.sample_tokens(grammar_output)
+
+    def get_model(self):
+        return self.model
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.runner = None

