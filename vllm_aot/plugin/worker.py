@@ -63,8 +63,6 @@ class AotWorker(WorkerBase):
         self._weights = load_weights_timed(weights_dir, self.arch, runtime, report)
         self._report = report
         self._load_seconds = time.perf_counter() - start
-        for name, seconds in sorted(report.compiled.items()):
-            logger.info("vllm-aot: program %s compiled in %.1f s", name, seconds)
         for name, seconds in sorted(report.loaded.items()):
             logger.info("vllm-aot: program %s loaded from cache in %.3f s", name, seconds)
         logger.info("vllm-aot: %s (programs in %s)", report.summary(), programs_dir or "eager")
@@ -83,8 +81,19 @@ class AotWorker(WorkerBase):
                 f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}) and compiling "
                 "is not allowed here; export them first with `vllm-aot export`"
             )
+        logger.info(
+            "vllm-aot: compiling %d programs into %s (once; later starts load them)",
+            len(missing),
+            programs_dir,
+        )
         report.compiled = compile_missing_programs(
-            self.arch, self.options.runtime, programs_dir, show_progress=False
+            self.arch,
+            self.options.runtime,
+            programs_dir,
+            show_progress=False,
+            on_compiled=lambda name, secs: logger.info(
+                "vllm-aot: program %s compiled in %.1f s", name, secs
+            ),
         )
 
     def _weights_dir(self):

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,8 +81,12 @@ def compile_missing_programs(
     *,
     num_workers: int | None = None,
     show_progress: bool = True,
+    on_compiled: Callable[[str, float], None] | None = None,
 ) -> dict[str, float]:
-    """Compile every program `programs_dir` lacks; returns compile seconds per program name."""
+    """Compile every program `programs_dir` lacks; returns compile seconds per program name.
+
+    `on_compiled(name, seconds)` is called as each program finishes (for logs without a bar).
+    """
     missing = [(k, program_path(programs_dir, k)) for k in all_program_keys(config)]
     missing = [(k, p) for k, p in missing if not p.is_file()]
     if not missing:
@@ -94,6 +99,8 @@ def compile_missing_programs(
     def on_done(key: ProgramKey, seconds: float) -> None:
         compiled[key.name] = seconds
         logger.info("compiled %s in %.1f s", key.name, seconds)
+        if on_compiled is not None:
+            on_compiled(key.name, seconds)
         bar.update()
 
     try:

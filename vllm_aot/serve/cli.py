@@ -195,6 +195,37 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    """vLLM's OpenAI server on our platform; unknown flags go to vLLM unchanged."""
+    import json
+    import os
+
+    model_dir = resolve_model(args.model)
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
+    if args.model in (None, "", "default", DEFAULT_MODEL_NAME):
+        command += ["--served-model-name", DEFAULT_MODEL_NAME]
+    options = {"backend": args.backend}
+    if args.require_cached:
+        options["require_cached"] = True
+    command += ["--additional-config", json.dumps(options), *vllm_args]
+    env = dict(os.environ)
+    # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    print("$", " ".join(command), flush=True)
+    os.execvpe(command[0], command, env)
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-aot", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -212,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="parallel compile processes")
     add_config_args(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's) on the compiled runtime")
+    p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--require-cached", action="store_true", help="never compile; fail instead")
+    p.set_defaults(func=cmd_serve, passes_unknown=True)
 
     p = sub.add_parser("validate", help="logit validation against HF transformers")
     p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
@@ -232,7 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "passes_unknown", False):
+        return args.func(args, unknown)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
