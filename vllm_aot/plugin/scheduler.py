@@ -33,8 +33,16 @@ def is_ready(request: Request) -> bool:
 
 
 def is_prefilling(request: Request) -> bool:
-    """More than the one newest token is still to be computed."""
-    return request.num_tokens - request.num_computed_tokens > 1
+    """Prompt tokens are still to be computed, or more than the one newest token.
+
+    Checking the prompt matters when exactly one prompt token is left (a 65-token prompt after a
+    64-token chunk): that step is a prefill to the runner (its position is inside the prompt, see
+    ScheduledRow.is_decode), so it must run alone, never batched with decodes.
+    """
+    return (
+        request.num_computed_tokens < request.num_prompt_tokens
+        or request.num_tokens - request.num_computed_tokens > 1
+    )
 
 
 class AotScheduler(Scheduler):

@@ -1,0 +1,425 @@
+"""AotScheduler without a device or worker: hand-built requests, a fabricated runner.
+
+Each step is scheduled, answered the way our runner answers (a token for a row that reaches the
+end of its request's known tokens, nothing for a prefill chunk that does not), and fed back with
+`update_from_output`. What a row *is* follows the runner too: a decode row is one token at or
+past the end of the prompt; everything else is a prefill row, and a step never mixes the two.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+from vllm_aot.plugin.scheduler import AotScheduler
+
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 4
+CHUNK = 64  # max_num_batched_tokens
+MAX_MODEL_LEN = 256
+SAMPLED = 7  # the token our fake runner always samples (no EOS is set, so never a stop)
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dirs) -> VllmConfig:
+    """One config for the module (it goes through AotPlatform.check_and_update_config)."""
+    model_dir = str(tiny_model_dirs("llama"))
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=model_dir, tokenizer=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=CHUNK,
+            max_model_len=MAX_MODEL_LEN,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+    )
+    assert config.scheduler_config.max_num_seqs == MAX_NUM_SEQS
+    assert config.scheduler_config.max_num_batched_tokens == CHUNK
+    assert config.model_config.max_model_len == MAX_MODEL_LEN
+    assert config.cache_config.block_size == BLOCK_SIZE
+    return config
+
+
+@pytest.fixture(scope="module")
+def block_hasher(vllm_config):
+    """What EngineCore gives every request when prefix caching is on."""
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK_SIZE, hash_fn)
+
+
+@pytest.fixture
+def make_scheduler(vllm_config):
+    """Fresh AotScheduler over a pool of `num_blocks` KV blocks (block 0 is vLLM's null block)."""
+    made: list[AotScheduler] = []
+
+    def make(num_blocks: int = 65) -> AotScheduler:
+        vllm_config.cache_config.num_gpu_blocks = num_blocks  # read once, by the constructor
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        )
+        scheduler = AotScheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=BLOCK_SIZE,
+            log_stats=False,
+        )
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        scheduler.shutdown()
+
+
+@pytest.fixture
+def make_request(block_hasher):
+    """Request with a random prompt (seeded by its id) or the given prompt token ids."""
+
+    def make(
+        req_id: str,
+        prompt: int | list[int],
+        max_tokens: int = 4,
+        structured: StructuredOutputsParams | None = None,
+    ) -> Request:
+        if isinstance(prompt, int):
+            rng = random.Random(req_id)
+            prompt = [rng.randrange(100, 40000) for _ in range(prompt)]
+        params = SamplingParams(max_tokens=max_tokens, structured_outputs=structured)
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=block_hasher,
+        )
+
+    return make
+
+
+@dataclass
+class Step:
+    """One engine step as the runner and the front end would see it."""
+
+    output: SchedulerOutput
+    prefill: list[str] = field(default_factory=list)  # rows run by a prefill program
+    decode: list[str] = field(default_factory=list)  # rows run by the decode program
+    finished: list[str] = field(default_factory=list)  # finished in this step's update
+    running: set[str] = field(default_factory=set)  # scheduler.running when it was scheduled
+
+    @property
+    def scheduled(self) -> list[str]:
+        return list(self.output.num_scheduled_tokens)
+
+
+def run_step(scheduler: AotScheduler) -> Step:
+    """schedule() → answer like our runner → update_from_output()."""
+    output = scheduler.schedule()
+    step = Step(output, running={r.request_id for r in scheduler.running})
+    req_ids = list(output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        num = output.num_scheduled_tokens[req_id]
+        start = request.num_computed_tokens - num  # schedule() already advanced it
+        complete = start + num == request.num_tokens  # reaches the end: a token is sampled
+        is_decode = num == 1 and complete and start >= request.num_prompt_tokens
+        (step.decode if is_decode else step.prefill).append(req_id)
+        sampled.append([SAMPLED] if complete else [])
+    runner_output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+    engine_outputs = scheduler.update_from_output(output, runner_output)
+    step.finished = [
+        out.request_id
+        for outputs in engine_outputs.values()
+        for out in outputs.outputs
+        if out.finish_reason is not None
+    ]
+    return step
+
+
+def run_all(scheduler: AotScheduler, max_steps: int = 1000) -> list[Step]:
+    steps = []
+    while scheduler.get_num_unfinished_requests():
+        assert len(steps) < max_steps, "requests never finished"
+        steps.append(run_step(scheduler))
+    return steps
+
+
+def first_step(steps: list[Step], req_id: str) -> int:
+    return next(i for i, s in enumerate(steps) if req_id in s.scheduled)
+
+
+def assert_never_mixed(steps: list[Step]) -> None:
+    for i, step in enumerate(steps):
+        assert not (step.prefill and step.decode), f"step {i} mixes {step.prefill} {step.decode}"
+        assert len(step.prefill) <= 1, f"step {i} runs several prefills: {step.prefill}"
+
+
+def test_holdback_releases_fifo_one_per_step(make_scheduler, make_request):
+    """Waiting requests start in arrival order, one new prefill per step."""
+    scheduler = make_scheduler()
+    for req_id in "ABC":
+        scheduler.add_request(make_request(req_id, 10, max_tokens=3))
+
+    steps = run_all(scheduler)
+
+    assert [s.prefill for s in steps[:3]] == [["A"], ["B"], ["C"]]
+    assert [len(s.output.scheduled_new_reqs) for s in steps[:3]] == [1, 1, 1]
+    assert set(steps[3].decode) == {"A", "B", "C"}
+    assert_never_mixed(steps)
+
+
+def test_one_prefill_at_a_time(make_scheduler, make_request):
+    """A long prompt is chunked alone; the next prompt starts only after it is fully computed."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("A", 150, max_tokens=2))
+    scheduler.add_request(make_request("B", 150, max_tokens=2))
+
+    steps = run_all(scheduler)
+
+    chunks = [(s.scheduled, s.output.total_num_scheduled_tokens) for s in steps[:6]]
+    assert chunks == [
+        (["A"], 64),
+        (["A"], 64),
+        (["A"], 22),
+        (["B"], 64),
+        (["B"], 64),
+        (["B"], 22),
+    ]
+    assert first_step(steps, "B") == 3
+    assert set(steps[6].decode) == {"A", "B"}  # both decode together afterwards
+    assert_never_mixed(steps)
+
+
+def test_never_a_mixed_step(make_scheduler, make_request):
+    """Over a whole run no step mixes prefill and decode rows; decodes batch every running one."""
+    scheduler = make_scheduler()
+    # 65 and 129 leave a one-token last chunk: still prompt, not a decode.
+    shapes = [(30, 5), (65, 3), (100, 8), (10, 2), (129, 4), (64, 6), (1, 3)]
+    for i, (prompt_len, max_tokens) in enumerate(shapes):
+        scheduler.add_request(make_request(f"r{i}", prompt_len, max_tokens=max_tokens))
+
+    steps = run_all(scheduler)
+
+    assert_never_mixed(steps)
+    for i, step in enumerate(steps):
+        if step.decode:
+            assert set(step.decode) == step.running, f"step {i} leaves a running request out"
+    finished = [req_id for s in steps for req_id in s.finished]
+    assert sorted(finished) == sorted(f"r{i}" for i in range(len(shapes)))
+
+
+def test_last_prompt_token_is_not_batched_with_decodes(make_scheduler, make_request):
+    """A prompt with one token left after its chunks runs that token alone, as a prefill."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("D", 10, max_tokens=20))
+    run_step(scheduler)  # D is decoding from now on
+    scheduler.add_request(make_request("P", 65, max_tokens=2))
+
+    steps = run_all(scheduler)
+
+    assert steps[0].prefill == ["P"] and steps[0].output.num_scheduled_tokens["P"] == 64
+    assert steps[1].prefill == ["P"] and steps[1].output.num_scheduled_tokens["P"] == 1
+    assert set(steps[2].decode) == {"D", "P"}
+    assert_never_mixed(steps)
+
+
+def test_admission_holds_request_until_worst_case_fits(make_scheduler, make_request):
+    """A request whose worst case does not fit waits (no preemption later), then runs."""
+    scheduler = make_scheduler(num_blocks=21)  # 20 usable blocks
+    scheduler.add_request(make_request("A", 20, max_tokens=100))  # 120 tokens: 8 blocks
+    scheduler.add_request(make_request("B", 20, max_tokens=140))  # 160 tokens: 10 blocks
+    scheduler.add_request(make_request("C", 20, max_tokens=140))  # 10 more: 28 > 20
+
+    steps = run_all(scheduler)
+
+    a_done = next(i for i, s in enumerate(steps) if "A" in s.finished)
+    c_start = first_step(steps, "C")
+    assert c_start == a_done + 1
+    # Meanwhile C was plainly waiting, though its prompt alone would have fitted.
+    held = steps[2:a_done]
+    assert held and all("C" not in s.scheduled and s.running == {"A", "B"} for s in held)
+    assert not any(s.output.preempted_req_ids for s in steps)
+    assert_never_mixed(steps)
+
+
+def test_admission_holds_request_while_blocks_are_free(make_scheduler, make_request):
+    """Holdback is by worst case: C waits in `waiting` though the pool has room for its prompt."""
+    scheduler = make_scheduler(num_blocks=21)
+    scheduler.add_request(make_request("A", 20, max_tokens=100))
+    scheduler.add_request(make_request("B", 20, max_tokens=140))
+    run_step(scheduler)
+    run_step(scheduler)
+    scheduler.add_request(make_request("C", 20, max_tokens=140))
+
+    for _ in range(5):
+        step = run_step(scheduler)
+        assert "C" not in step.scheduled
+    request_c = scheduler.requests["C"]
+    assert request_c.status is RequestStatus.WAITING
+    assert request_c in list(scheduler.waiting)
+    assert request_c not in scheduler.running
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > 2  # C's prompt fits
+
+
+def test_max_num_seqs_caps_running(make_scheduler, make_request):
+    """With blocks to spare, at most max_num_seqs requests run; the fifth starts after one ends."""
+    scheduler = make_scheduler(num_blocks=200)
+    for i in range(6):
+        scheduler.add_request(make_request(f"r{i}", 10, max_tokens=3 + i))
+
+    steps = run_all(scheduler)
+
+    assert max(len(s.running) for s in steps) == MAX_NUM_SEQS
+    r0_done = next(i for i, s in enumerate(steps) if "r0" in s.finished)
+    assert first_step(steps, "r4") == r0_done + 1
+    assert_never_mixed(steps)
+
+
+def test_finished_request_frees_blocks(make_scheduler, make_request):
+    """Reaching max_tokens returns every block and tells the worker the id on the next step."""
+    scheduler = make_scheduler()
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    scheduler.add_request(make_request("A", 40, max_tokens=5))
+
+    step = run_step(scheduler)
+    assert pool.get_num_free_blocks() == free_before - 3  # 40 tokens: 3 blocks
+    steps = [step, *run_all(scheduler)]
+
+    assert steps[-1].finished == ["A"]
+    assert pool.get_num_free_blocks() == free_before
+    assert "A" not in scheduler.requests
+    assert "A" in run_step(scheduler).output.finished_req_ids
+
+
+def test_aborted_request_frees_blocks(make_scheduler, make_request):
+    """An abort, running or held, frees its blocks and reaches the worker; others go on."""
+    scheduler = make_scheduler(num_blocks=21)
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    scheduler.add_request(make_request("A", 40, max_tokens=100))
+    scheduler.add_request(make_request("B", 20, max_tokens=20))  # 3 blocks
+    scheduler.add_request(make_request("C", 20, max_tokens=140))  # held: 9 + 3 + 10 > 20
+    run_step(scheduler)
+    run_step(scheduler)
+    run_step(scheduler)
+    assert scheduler.requests["C"] in list(scheduler.waiting)
+
+    scheduler.finish_requests("C", RequestStatus.FINISHED_ABORTED)  # aborted while held
+    assert "C" not in scheduler.requests and not list(scheduler.waiting)
+    free_with_a = pool.get_num_free_blocks()
+    scheduler.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # aborted while decoding
+    assert pool.get_num_free_blocks() == free_with_a + 3  # A's 41 computed tokens: 3 blocks
+    assert "A" not in scheduler.requests
+
+    steps = run_all(scheduler)
+    assert {"A", "C"} <= steps[0].output.finished_req_ids
+    assert all("A" not in s.scheduled and "C" not in s.scheduled for s in steps)
+    assert steps[-1].finished == ["B"]
+    assert pool.get_num_free_blocks() == free_before
+
+
+@pytest.mark.parametrize("first_done", [True, False], ids=["finished", "running"])
+def test_prefix_cache_hit(make_scheduler, make_request, first_done):
+    """A prompt sharing a block-aligned prefix with an earlier one starts past the cached part."""
+    scheduler = make_scheduler()
+    shared = [1000 + i for i in range(3 * BLOCK_SIZE + 5)]  # 3 full blocks and a partial one
+    scheduler.add_request(make_request("A", [*shared, 1, 2, 3], max_tokens=20))
+    run_step(scheduler)
+    if first_done:
+        scheduler.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request("B", [*shared, 4, 5, 6, 7], max_tokens=2))
+
+    step = run_step(scheduler)
+
+    assert [new.req_id for new in step.output.scheduled_new_reqs] == ["B"]
+    new_b = step.output.scheduled_new_reqs[0]
+    assert new_b.num_computed_tokens == 3 * BLOCK_SIZE
+    assert step.output.num_scheduled_tokens["B"] == len(shared) + 4 - 3 * BLOCK_SIZE
+    assert step.prefill == ["B"]
+
+
+class _AcceptAll(StructuredOutputGrammar):
+    """A compiled grammar that allows every token."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "failed"])
+def test_grammar_compilation_does_not_block_others(make_scheduler, make_request, compiled):
+    """A request waiting for its grammar lets later ones run; it starts (or fails) when ready."""
+    scheduler = make_scheduler()
+    grammar_request = make_request(
+        "G", 12, max_tokens=3, structured=StructuredOutputsParams(regex="[0-9]+")
+    )
+    assert grammar_request.status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    pending: Future = Future()
+    grammar_request.structured_output_request.grammar = pending  # as grammar_init leaves it
+    scheduler.add_request(grammar_request)
+    scheduler.add_request(make_request("A", 12, max_tokens=10))
+
+    steps = [run_step(scheduler) for _ in range(3)]
+    assert steps[0].prefill == ["A"] and steps[1].decode == ["A"] and steps[2].decode == ["A"]
+    assert grammar_request in list(scheduler.waiting)
+
+    if compiled:
+        pending.set_result(_AcceptAll())
+    else:
+        pending.set_exception(RuntimeError("grammar does not compile"))
+    steps = run_all(scheduler)
+
+    if compiled:
+        assert steps[0].prefill == ["G"]
+        assert set(steps[1].decode) == {"A", "G"}
+        assert grammar_request.get_finished_reason() is not None
+    else:
+        assert "G" in steps[0].finished
+        assert grammar_request.status is RequestStatus.FINISHED_ERROR
+        assert all("G" not in s.scheduled for s in steps)
+    assert "A" in [req_id for s in steps for req_id in s.finished]
+    assert_never_mixed(steps)
