@@ -286,3 +286,14 @@ def _detok(client, ids: list[int]) -> str:
         "/../detokenize", body={"model": "tiny", "tokens": ids}, cast_to=httpx.Response
     )
     return out.json()["prompt"]
+
+
+def test_prefix_cache_hit_gives_the_same_answer(client, tiny_server):
+    """A repeated long prompt reuses cached blocks (a later prefill segment) and must not change
+    the output."""
+    prompt = " ".join(f"word{i}" for i in range(60))
+    before = _metric(tiny_server, "vllm:prefix_cache_hits_total")
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert _metric(tiny_server, "vllm:prefix_cache_hits_total") > before
+    assert first.choices[0].text == second.choices[0].text
