@@ -30,7 +30,6 @@ ENGINE_KWARGS = {
     "max_num_batched_tokens": 64,
     "block_size": 16,
     "dtype": "float32",
-    "seed": 0,
 }
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -27,7 +27,8 @@ from vllm_aot.accuracy.logits import HFReference
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-pytestmark = pytest.mark.slow
+# A server start plus 16 requests per test; minutes more when the machine is busy.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 logger = logging.getLogger(__name__)
 
