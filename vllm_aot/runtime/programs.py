@@ -96,35 +96,24 @@ def _unflatten_weights(layout: tuple[bool, ...], tensors: tuple[torch.Tensor, ..
     return LayerWeights(*(next(it) if present else None for present in layout))
 
 
-class PrefillLayer(nn.Module):
-    """(hidden, cos, sin, k_pool, v_pool, context_block_ids, attn_mask, *weights)
-    -> (hidden, k_new, v_new)."""
+class Layer(nn.Module):
+    """One decoder layer; prefill and decode differ only in how attention reads the cache.
 
-    def __init__(self, arch: ModelArch) -> None:
+    forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights) -> (hidden, k_new, v_new)
+    where (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and
+    (block_tables, context_mask) for decode.
+    """
+
+    def __init__(self, arch: ModelArch, *, is_prefill: bool) -> None:
         super().__init__()
         self.dims = layer_dims(arch)
         self.layout = weight_layout(arch)
+        self.attention = prefill_attention if is_prefill else decode_attention
 
-    def forward(self, hidden, cos, sin, k_pool, v_pool, context_block_ids, attn_mask, *weights):
+    def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
         w = _unflatten_weights(self.layout, weights)
         q, k, v = project_qkv(hidden, w, self.dims, cos, sin)
-        attn = prefill_attention(q, k, v, k_pool, v_pool, context_block_ids, attn_mask)
-        return finish_layer(hidden, attn, w, self.dims), k, v
-
-
-class DecodeLayer(nn.Module):
-    """(hidden, cos, sin, k_pool, v_pool, block_tables, context_mask, *weights)
-    -> (hidden, k_new, v_new)."""
-
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.dims = layer_dims(arch)
-        self.layout = weight_layout(arch)
-
-    def forward(self, hidden, cos, sin, k_pool, v_pool, block_tables, context_mask, *weights):
-        w = _unflatten_weights(self.layout, weights)
-        q, k, v = project_qkv(hidden, w, self.dims, cos, sin)
-        attn = decode_attention(q, k, v, k_pool, v_pool, block_tables, context_mask)
+        attn = self.attention(q, k, v, k_pool, v_pool, ctx_a, ctx_b)
         return finish_layer(hidden, attn, w, self.dims), k, v
 
 
@@ -148,10 +137,8 @@ class Head(nn.Module):
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
-    if key.kind is ProgramKind.PREFILL:
-        return PrefillLayer(arch)
-    if key.kind is ProgramKind.DECODE:
-        return DecodeLayer(arch)
+    if key.is_layer:
+        return Layer(arch, is_prefill=key.kind is ProgramKind.PREFILL)
     return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
 
 
