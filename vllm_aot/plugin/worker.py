@@ -119,13 +119,21 @@ class AotWorker(WorkerBase):
 
     def determine_available_memory(self) -> int:
         """KV budget: VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes when set, else
-        --gpu-memory-utilization of this machine's memory minus what this process uses."""
+        --gpu-memory-utilization of this machine's memory minus what this process uses, capped
+        at twice what max_num_seqs full-length sequences need (the rest would be zeroed memory
+        that only the prefix cache could ever use)."""
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit:
             return int(explicit)
         total = psutil.virtual_memory().total
         used = psutil.Process().memory_info().rss
-        return max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
+        budget = max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
+        runtime = self.options.runtime
+        bytes_per_token = (
+            2 * self.arch.num_layers * self.arch.kv_size * runtime.torch_dtype.itemsize
+        )
+        useful = 2 * runtime.max_num_seqs * runtime.max_model_len * bytes_per_token
+        return min(budget, useful)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model = CompiledModel(

@@ -23,8 +23,8 @@ class KVCache:
         self, arch: ModelArch, *, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> None:
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # Zeroed (lazily, by calloc): never-written slots must hold finite values, because
-        # masked attention multiplies them by zero and NaN * 0 is NaN.
+        # Zeroed: never-written slots must hold finite values, because masked attention
+        # multiplies them by zero and NaN * 0 is NaN.
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_layers)]
         self.num_blocks = num_blocks
