@@ -10,16 +10,15 @@ import torch
 from tests.helpers import tiny_config
 from vllm_aot.accuracy.logits import (
     DEFAULT_TOLERANCES,
-    HFReference,
     Tolerance,
     compare_logits,
     greedy_match,
-    our_logits,
     slice_passes,
     teacher_forcing_sequences,
     validate,
 )
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
+from vllm_aot.accuracy.teacher_forcing import HFReference, our_logits
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.loader import load_model
 

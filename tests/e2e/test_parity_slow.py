@@ -23,8 +23,8 @@ import httpx
 import pytest
 import torch
 
-from vllm_aot.accuracy.logits import HFReference
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
+from vllm_aot.accuracy.teacher_forcing import HFReference
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
 # A server start plus 16 requests per test; minutes more when the machine is busy.

@@ -156,13 +156,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from vllm_aot.accuracy.logits import (
-        HFReference,
-        greedy_match,
-        teacher_forcing_sequences,
-        validate,
-    )
+    from vllm_aot.accuracy.logits import greedy_match, teacher_forcing_sequences, validate
     from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
+    from vllm_aot.accuracy.teacher_forcing import HFReference
 
     console = Console()
     model_dir, model, report = _load(args)
