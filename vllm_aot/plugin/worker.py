@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import psutil
 import torch
@@ -28,10 +27,9 @@ from vllm_aot.runtime.loader import (
     default_programs_dir,
     load_programs,
     load_weights_timed,
-    program_path,
+    missing_programs,
 )
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.programs import all_program_keys
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -49,7 +47,6 @@ class AotWorker(WorkerBase):
         self.arch = load_arch(self.model_dir)
         check_fits(self.arch, runtime)
         report = LoadReport()
-        start = time.perf_counter()
         programs_dir = None
         if runtime.backend == "inductor":
             programs_dir = (
@@ -62,17 +59,12 @@ class AotWorker(WorkerBase):
         weights_dir = self._weights_dir()
         self._weights = load_weights_timed(weights_dir, self.arch, runtime, report)
         self._report = report
-        self._load_seconds = time.perf_counter() - start
         for name, seconds in sorted(report.loaded.items()):
             logger.info("vllm-aot: program %s loaded from cache in %.3f s", name, seconds)
         logger.info("vllm-aot: %s (programs in %s)", report.summary(), programs_dir or "eager")
 
     def _ensure_programs(self, programs_dir, report: LoadReport) -> None:
-        missing = [
-            k.name
-            for k in all_program_keys(self.options.runtime)
-            if not program_path(programs_dir, k).is_file()
-        ]
+        missing = [k.name for k in missing_programs(self.options.runtime, programs_dir)]
         if not missing:
             return
         if self.options.artifact_dir or self.options.require_cached:
@@ -99,10 +91,9 @@ class AotWorker(WorkerBase):
     def _weights_dir(self):
         if self.options.artifact_dir is None:
             return self.model_config.model
-        from vllm_aot.runtime.artifacts import read_manifest
+        from vllm_aot.runtime.artifacts import read_manifest, weights_dir
 
-        weights = read_manifest(self.options.artifact_dir)["weights"]
-        return self.options.artifact_dir if weights["copied"] else weights["source"]
+        return weights_dir(self.options.artifact_dir, read_manifest(self.options.artifact_dir))
 
     def get_kv_cache_spec(self) -> dict:
         runtime = self.options.runtime

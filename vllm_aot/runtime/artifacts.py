@@ -78,6 +78,12 @@ def read_manifest(artifact_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def weights_dir(artifact_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    """Where an artifact's weights are: copied into it, or the source directory it references."""
+    weights = manifest["weights"]
+    return Path(artifact_dir) if weights["copied"] else Path(weights["source"])
+
+
 def export_model(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -165,16 +171,14 @@ def load_artifact(
     config = RuntimeConfig.from_dict(manifest["config"])
     if expected is not None:
         _check_config(config, expected, artifact_dir)
-    weights_dir = (
-        artifact_dir if manifest["weights"]["copied"] else Path(manifest["weights"]["source"])
-    )
-    if not weights_dir.is_dir():
+    weights_path = weights_dir(artifact_dir, manifest)
+    if not weights_path.is_dir():
         raise FileNotFoundError(
-            f"{artifact_dir} references weights in {weights_dir}, which does not exist; "
+            f"{artifact_dir} references weights in {weights_path}, which does not exist; "
             "export with --copy-weights to make a self-contained directory"
         )
     arch = load_arch(artifact_dir)
     report = LoadReport()
     programs = load_programs(arch, config, artifact_dir / "programs", report)
-    weights = load_weights_timed(weights_dir, arch, config, report)
+    weights = load_weights_timed(weights_path, arch, config, report)
     return CompiledModel(arch, config, weights, programs), report

@@ -74,6 +74,11 @@ def program_path(programs_dir: Path, key: ProgramKey) -> Path:
     return programs_dir / f"{key.name}.pt2"
 
 
+def missing_programs(config: RuntimeConfig, programs_dir: Path) -> list[ProgramKey]:
+    """Programs of `config` with no compiled package in `programs_dir`."""
+    return [k for k in all_program_keys(config) if not program_path(programs_dir, k).is_file()]
+
+
 def compile_missing_programs(
     arch: ModelArch,
     config: RuntimeConfig,
@@ -87,8 +92,7 @@ def compile_missing_programs(
 
     `on_compiled(name, seconds)` is called as each program finishes (for logs without a bar).
     """
-    missing = [(k, program_path(programs_dir, k)) for k in all_program_keys(config)]
-    missing = [(k, p) for k, p in missing if not p.is_file()]
+    missing = [(k, program_path(programs_dir, k)) for k in missing_programs(config, programs_dir)]
     if not missing:
         return {}
     from tqdm import tqdm
@@ -124,7 +128,7 @@ def load_programs(
     if config.backend == "eager":
         return {key: eager_program(key, arch, config) for key in keys}
     assert programs_dir is not None, "the inductor backend loads programs from a directory"
-    missing = [k.name for k in keys if not program_path(programs_dir, k).is_file()]
+    missing = [k.name for k in missing_programs(config, programs_dir)]
     if missing:
         raise FileNotFoundError(f"{programs_dir} lacks compiled programs: {', '.join(missing)}")
     programs = {}

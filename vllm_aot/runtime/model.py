@@ -22,8 +22,6 @@ from vllm_aot.runtime.inputs import (
     DecodeRow,
     PrefillChunk,
     RowSampling,
-    decode_shape,
-    prefill_shape,
     prepare_decode,
     prepare_prefill,
     prepare_sampling,
@@ -93,22 +91,28 @@ class CompiledModel:
         out = self._program(ProgramKey(kind, num_rows))(hidden, w.final_norm, w.lm_head, *tensors)
         return SamplerOutput(*(t[: len(sampling)] for t in out))
 
-    def forward_prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
-        """Layers of a prefill step; each chunk's last hidden state, [row bucket, hidden]."""
-        num_tokens, num_ctx_tokens, _ = prefill_shape(chunks, self.config)
+    def _prefill_layers(self, chunks: Sequence[PrefillChunk]):
+        """Layers over the packed chunks: (hidden [token bucket, hidden], the padded inputs)."""
         inputs = prepare_prefill(chunks, self.config)
+        num_tokens = inputs.token_ids.shape[0]
+        num_ctx_tokens = inputs.context_block_ids.shape[0] * self.config.block_size
         key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
         context = (inputs.context_block_ids, inputs.attn_mask)
         hidden = self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
         )
+        return hidden, inputs
+
+    def forward_prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Layers of a prefill step; each chunk's last hidden state, [row bucket, hidden]."""
+        hidden, inputs = self._prefill_layers(chunks)
         return hidden[inputs.logits_indices]
 
     def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Layers of a decode step; [row bucket, hidden]."""
-        num_rows, num_ctx_tokens = decode_shape(rows, self.config)
         inputs = prepare_decode(rows, self.config)
-        key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
+        num_rows, num_ctx_blocks = inputs.block_tables.shape
+        key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_blocks * self.config.block_size)
         context = (inputs.block_tables, inputs.context_mask)
         return self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
@@ -131,13 +135,7 @@ class CompiledModel:
 
         Runs the same layer and head programs a prefill step runs, the head over slices of rows.
         """
-        num_tokens, num_ctx_tokens, _ = prefill_shape([chunk], self.config)
-        inputs = prepare_prefill([chunk], self.config)
-        key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
-        context = (inputs.context_block_ids, inputs.attn_mask)
-        hidden = self._run_layers(
-            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
-        )[: len(chunk.token_ids)]
+        hidden = self._prefill_layers([chunk])[0][: len(chunk.token_ids)]
         greedy = SamplingParams(temperature=0).normalized()
         rows = max(self.config.head_row_buckets)
         logits = []
