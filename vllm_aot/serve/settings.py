@@ -1,0 +1,186 @@
+"""`vllm-aot serve` flags -> the vLLM flags and `--additional-config` every replica gets (pure).
+
+Each shape comes from, in order: an exported directory's manifest (fixes every shape; a flag
+that contradicts it is refused), the serve flags (or the same vLLM flag passed through), a
+configuration the compile-cache registry picked (`registry_choice`, wired in by issue 4),
+else the platform's defaults (nothing passed, so `AotOptions` decides as for plain vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# serve flag -> (the vLLM flag that carries it, the RuntimeConfig/manifest field it fixes)
+_SHAPE_FLAGS = {
+    "batch_size": ("--max-num-seqs", "max_num_seqs"),
+    "max_model_len": ("--max-model-len", "max_model_len"),
+    "dtype": ("--dtype", "dtype"),
+}
+# vLLM flags that an exported directory's manifest fixes, besides the three above.
+_MANIFEST_ONLY_FLAGS = {
+    "--block-size": "block_size",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+}
+_DEFAULTS = {
+    "batch_size": "32 (vllm-aot default)",
+    "max_model_len": "2048, or the model's limit if smaller (vllm-aot default)",
+    "dtype": "the model's (vLLM's auto)",
+}
+
+
+@dataclass(frozen=True)
+class ShapeFlags:
+    """Shapes asked for on the command line; None = not given."""
+
+    batch_size: int | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class ChosenConfig:
+    """What each replica runs with, and why (one line per shape, for the user)."""
+
+    vllm_args: tuple[str, ...]  # shape flags, then the passthrough flags (minus additional-config)
+    additional_config: dict[str, Any] = field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return "configuration:\n" + "\n".join(f"  {line}" for line in self.reasons)
+
+
+def flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The last value of `--flag v` / `--flag=v` in vLLM-style args (underscores allowed)."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if not name.startswith("--") or name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def without_flag(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...]:
+    """`args` minus every `--flag v` / `--flag=v`."""
+    kept: list[str] = []
+    skip_next = False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+            continue
+        name, eq, _ = arg.partition("=")
+        if name.startswith("--") and name.replace("_", "-") == flag:
+            skip_next = not eq
+            continue
+        kept.append(arg)
+    return tuple(kept)
+
+
+def _merge_additional_config(
+    ours: dict[str, Any], passthrough: tuple[str, ...]
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    text = flag_value(passthrough, "--additional-config")
+    if text is None:
+        return ours, passthrough
+    try:
+        theirs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--additional-config is not JSON: {exc}") from None
+    clashes = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
+    if clashes:
+        raise ValueError(
+            f"--additional-config sets {', '.join(clashes)}, which serve flags also set "
+            f"differently ({', '.join(f'{k}={ours[k]!r}' for k in clashes)}); give each once"
+        )
+    return {**ours, **theirs}, without_flag(passthrough, "--additional-config")
+
+
+def _same(flag_text: str, manifest_value: Any) -> bool:
+    return str(flag_text).removeprefix("torch.") == str(manifest_value)
+
+
+def choose_config(
+    flags: ShapeFlags,
+    *,
+    passthrough: tuple[str, ...] = (),
+    manifest: dict[str, Any] | None = None,
+    artifact_dir: str | None = None,
+    registry_choice: ShapeFlags | None = None,
+    additional_config: dict[str, Any] | None = None,
+) -> ChosenConfig:
+    """Decide every replica's shapes (see the module docstring); ValueError on contradictions.
+
+    `manifest` is the exported directory's manifest when the model is one (`read_manifest`).
+    """
+    if flags.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {flags.tensor_parallel_size}: vllm-aot runs one model copy "
+            "per process (supported: 1); use --data-parallel-size N for more throughput"
+        )
+    config, passthrough = _merge_additional_config(dict(additional_config or {}), passthrough)
+    given = {
+        name: (getattr(flags, name), flag_value(passthrough, vllm_flag))
+        for name, (vllm_flag, _) in _SHAPE_FLAGS.items()
+    }
+    for name, (ours, theirs) in given.items():
+        if ours is not None and theirs is not None and str(ours) != theirs:
+            vllm_flag = _SHAPE_FLAGS[name][0]
+            raise ValueError(
+                f"--{name.replace('_', '-')} {ours} contradicts {vllm_flag} {theirs}; give one"
+            )
+    if manifest is not None:
+        return _from_manifest(manifest, artifact_dir, given, passthrough, config)
+    shape_args: list[str] = []
+    reasons: list[str] = []
+    for name, (vllm_flag, _) in _SHAPE_FLAGS.items():
+        ours, theirs = given[name]
+        picked = getattr(registry_choice, name) if registry_choice else None
+        if ours is not None:
+            shape_args += [vllm_flag, str(ours)]
+            reasons.append(f"{name} = {ours} (from --{name.replace('_', '-')})")
+        elif theirs is not None:
+            reasons.append(f"{name} = {theirs} (from {vllm_flag})")
+        elif picked is not None:
+            shape_args += [vllm_flag, str(picked)]
+            reasons.append(f"{name} = {picked} (compiled configuration in the cache registry)")
+        else:
+            reasons.append(f"{name} = {_DEFAULTS[name]}")
+    reasons.append("tensor_parallel_size = 1")
+    return ChosenConfig(tuple(shape_args) + passthrough, config, tuple(reasons))
+
+
+def _from_manifest(
+    manifest: dict[str, Any],
+    artifact_dir: str | None,
+    given: dict[str, tuple[Any, str | None]],
+    passthrough: tuple[str, ...],
+    config: dict[str, Any],
+) -> ChosenConfig:
+    shapes = manifest["config"]
+    where = f"exported directory {artifact_dir}" if artifact_dir else "exported directory"
+    conflicts = []
+    for name, (vllm_flag, key) in _SHAPE_FLAGS.items():
+        for text, label in zip(
+            given[name], (f"--{name.replace('_', '-')}", vllm_flag), strict=True
+        ):
+            if text is not None and not _same(text, shapes[key]):
+                conflicts.append(f"{label} {text} (it was compiled for {shapes[key]})")
+    for vllm_flag, key in _MANIFEST_ONLY_FLAGS.items():
+        text = flag_value(passthrough, vllm_flag)
+        if text is not None and not _same(text, shapes[key]):
+            conflicts.append(f"{vllm_flag} {text} (it was compiled for {shapes[key]})")
+    if conflicts:
+        raise ValueError(
+            f"the {where} fixes its shapes; these flags contradict it: {'; '.join(conflicts)}. "
+            "Drop them, or export again with the configuration you need."
+        )
+    reasons = [
+        f"{name} = {shapes[key]} (from the {where})" for name, (_, key) in _SHAPE_FLAGS.items()
+    ]
+    return ChosenConfig(passthrough, config, (*reasons, "tensor_parallel_size = 1"))
