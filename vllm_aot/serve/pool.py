@@ -1,0 +1,175 @@
+"""The proxy's view of its replicas: health, load, routing, counters. Runs in the event loop.
+
+Routing: the healthy replica with the fewest requests in flight; ties go round-robin. A replica
+leaves the rotation (ejection) when a health check fails, when a request to it cannot connect, or
+when the replica manager sees its process exit; a passing health check re-admits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from vllm_aot.serve.metrics import CounterFamily
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaState:
+    """Live state of one replica (mutated only from the event loop)."""
+
+    index: int
+    url: str  # http://127.0.0.1:PORT
+    is_healthy: bool = False
+    is_started: bool = False  # passed its first /health since (re)start
+    num_in_flight: int = 0
+    num_requests: int = 0
+    num_errors: int = 0
+    num_ejections: int = 0
+    last_problem: str | None = None
+
+
+@dataclass
+class ReplicaPool:
+    """All replicas behind the proxy, plus the proxy-wide retry counter."""
+
+    replicas: list[ReplicaState]
+    is_started: bool = False  # every replica passed /health once (start-up complete)
+    num_retries: int = 0
+    _next: int = field(default=0, repr=False)  # round-robin origin for ties
+
+    @classmethod
+    def from_urls(cls, urls: list[str]) -> ReplicaPool:
+        return cls([ReplicaState(i, url) for i, url in enumerate(urls)])
+
+    def choose(self, exclude: frozenset[int] = frozenset()) -> ReplicaState | None:
+        """The least-loaded healthy replica not in `exclude`; ties round-robin; None if none."""
+        candidates = [r for r in self.replicas if r.is_healthy and r.index not in exclude]
+        if not candidates:
+            return None
+        fewest = min(r.num_in_flight for r in candidates)
+        tied = [r for r in candidates if r.num_in_flight == fewest]
+        # Start the scan after the last replica picked, so ties rotate.
+        tied.sort(key=lambda r: (r.index - self._next) % len(self.replicas))
+        chosen = tied[0]
+        self._next = chosen.index + 1
+        return chosen
+
+    def eject(self, replica: ReplicaState, reason: str) -> None:
+        replica.last_problem = reason
+        if replica.is_healthy:
+            replica.is_healthy = False
+            replica.num_ejections += 1
+            logger.warning("replica %d ejected: %s", replica.index, reason)
+
+    def admit(self, replica: ReplicaState) -> None:
+        replica.is_started = True
+        if not replica.is_healthy:
+            replica.is_healthy = True
+            replica.last_problem = None
+            logger.info("replica %d admitted (%s)", replica.index, replica.url)
+
+    def mark_restarting(self, index: int, reason: str) -> None:
+        """The manager saw replica `index` exit: eject it until a new process is healthy."""
+        replica = self.replicas[index]
+        self.eject(replica, reason)
+        replica.is_started = False
+
+    @property
+    def is_serving(self) -> bool:
+        return self.is_started and any(r.is_healthy for r in self.replicas)
+
+    def health_report(self) -> dict:
+        return {
+            "status": "ok" if self.is_serving else "unavailable",
+            "started": self.is_started,
+            "replicas": [
+                {
+                    "replica": r.index,
+                    "url": r.url,
+                    "healthy": r.is_healthy,
+                    "started": r.is_started,
+                    "in_flight": r.num_in_flight,
+                    "problem": r.last_problem,
+                }
+                for r in self.replicas
+            ],
+        }
+
+    def counter_families(self) -> list[CounterFamily]:
+        def per_replica(attribute: str) -> dict[str | None, float]:
+            return {str(r.index): float(getattr(r, attribute)) for r in self.replicas}
+
+        prefix = "vllm_aot_proxy_"
+        return [
+            CounterFamily(
+                f"{prefix}requests_total",
+                "counter",
+                "Requests the proxy sent to each replica.",
+                per_replica("num_requests"),
+            ),
+            CounterFamily(
+                f"{prefix}errors_total",
+                "counter",
+                "Requests that failed at or after sending to each replica.",
+                per_replica("num_errors"),
+            ),
+            CounterFamily(
+                f"{prefix}retries_total",
+                "counter",
+                "Requests retried on another replica after a connection failure.",
+                {None: float(self.num_retries)},
+            ),
+            CounterFamily(
+                f"{prefix}ejections_total",
+                "counter",
+                "Times each replica was taken out of rotation.",
+                per_replica("num_ejections"),
+            ),
+            CounterFamily(
+                f"{prefix}in_flight",
+                "gauge",
+                "Requests in flight on each replica.",
+                per_replica("num_in_flight"),
+            ),
+            CounterFamily(
+                f"{prefix}replica_healthy",
+                "gauge",
+                "1 while a replica is in rotation.",
+                {str(r.index): float(r.is_healthy) for r in self.replicas},
+            ),
+        ]
+
+
+async def check_replica(
+    session: aiohttp.ClientSession, pool: ReplicaPool, replica: ReplicaState, timeout: float
+) -> bool:
+    """GET /health once; admit on 200, eject otherwise. Returns whether it passed."""
+    try:
+        async with session.get(
+            f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as response:
+            if response.status == 200:
+                pool.admit(replica)
+                return True
+            problem = f"/health answered {response.status}"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        problem = f"/health failed: {type(exc).__name__} {exc}".strip()
+    if replica.is_started:  # a replica still starting is expected to fail
+        pool.eject(replica, problem)
+    else:
+        replica.last_problem = problem
+    return False
+
+
+async def health_loop(
+    session: aiohttp.ClientSession, pool: ReplicaPool, *, interval: float, timeout: float
+) -> None:
+    """Check every replica concurrently each `interval` seconds, forever (cancel to stop)."""
+    while True:
+        await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in pool.replicas))
+        await asyncio.sleep(interval)

@@ -1,0 +1,249 @@
+"""Load-aware reverse proxy in front of the replicas (aiohttp), on the public port.
+
+Bodies stream both ways in chunks as they arrive; nothing is buffered whole. `/health` and
+`/metrics` are the proxy's own (aggregated); every other path is forwarded to one replica with
+its headers (`Authorization` included, so vLLM's `--api-key` keeps working).
+
+Failures: a request whose connection could not be opened (nothing sent) is retried once on
+another replica; once sent it is never retried. A replica that fails before answering gives the
+client 502 (504 on a timeout); one that fails mid-stream ends an event stream with an SSE error
+event (what vLLM itself sends) and drops any other response's connection, so a client never
+mistakes a cut body for a whole one. A client that disconnects cancels its handler, which closes
+the upstream connection, so vLLM aborts the request and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from vllm_aot.serve.metrics import merge_expositions
+from vllm_aot.serve.pool import ReplicaPool, ReplicaState, health_loop
+
+logger = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+    )
+)
+REPLICA_HEADER = "X-Vllm-Aot-Replica"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 32 * 1024 * 1024  # request bodies above this get 413
+    connect_timeout: float = 5.0  # seconds to open a connection to a replica
+    read_timeout: float = 600.0  # seconds a replica may stay silent (before or between chunks)
+    health_interval: float = 2.0  # seconds between health-check rounds
+    health_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "connect_timeout", "read_timeout", "health_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"proxy {name} must be positive, got {getattr(self, name)}")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _RequestBody:
+    """The client's body as an async iterator of chunks, counted against the limit."""
+
+    def __init__(self, content: aiohttp.StreamReader, limit: int) -> None:
+        self._content, self._limit = content, limit
+        self.num_bytes = 0
+        self.is_started = False
+        self.is_too_large = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        self.is_started = True
+        async for chunk in self._content.iter_any():
+            self.num_bytes += len(chunk)
+            if self.num_bytes > self._limit:
+                self.is_too_large = True
+                raise _BodyTooLarge
+            yield chunk
+
+
+def _error(status: int, message: str, *, headers: dict | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": web.Response(status=status).reason}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _sse_error(message: str) -> bytes:
+    event = {"error": {"message": message, "type": "BadGateway", "code": 502}}
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+class Proxy:
+    """Serve `pool` on `config.host:port` until `stop()`; health checks run in the background."""
+
+    def __init__(self, pool: ReplicaPool, config: ProxyConfig) -> None:
+        self.pool, self.config = pool, config
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.config.connect_timeout, sock_read=None
+            ),
+        )
+        app = web.Application()
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        # handler_cancellation: a client that goes away cancels its handler at once, even while
+        # the replica is silent (prefill), instead of at the next write.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        self._health_task = asyncio.create_task(
+            health_loop(
+                self._session,
+                self.pool,
+                interval=self.config.health_interval,
+                timeout=self.config.health_timeout,
+            )
+        )
+
+    async def stop(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        report = self.pool.health_report()
+        return web.json_response(report, status=200 if self.pool.is_serving else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        async def scrape(replica: ReplicaState) -> str | None:
+            try:
+                async with self._session.get(
+                    f"{replica.url}/metrics",
+                    timeout=aiohttp.ClientTimeout(total=self.config.health_timeout * 5),
+                ) as response:
+                    return await response.text() if response.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError):
+                return None  # a down replica has no series; replica_healthy says so
+
+        texts = await asyncio.gather(*(scrape(r) for r in self.pool.replicas))
+        merged = merge_expositions(
+            {str(r.index): t for r, t in zip(self.pool.replicas, texts, strict=True) if t}
+        )
+        own = "".join(f.render() for f in self.pool.counter_families())
+        return web.Response(text=merged + own, content_type="text/plain", charset="utf-8")
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """Send `request` to the least-loaded healthy replica and stream its answer back."""
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return _error(413, f"request body of {request.content_length} bytes exceeds {limit}")
+        body = _RequestBody(request.content, limit)
+        tried: set[int] = set()
+        while True:
+            replica = self.pool.choose(frozenset(tried))
+            if replica is None:
+                return _error(503, "no healthy replica", headers={"Retry-After": "1"})
+            tried.add(replica.index)
+            replica.num_in_flight += 1
+            replica.num_requests += 1
+            try:
+                return await self._send(request, replica, body)
+            except aiohttp.ClientConnectorError as exc:
+                # The connection never opened, so nothing was sent: safe to try elsewhere.
+                replica.num_errors += 1
+                self.pool.eject(replica, f"connect failed: {exc}")
+                if len(tried) > 1 or body.is_started:
+                    return _error(502, f"replica {replica.index} unreachable: {exc}")
+                self.pool.num_retries += 1
+            finally:
+                replica.num_in_flight -= 1
+
+    async def _send(
+        self, request: web.Request, replica: ReplicaState, body: _RequestBody
+    ) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if request.remote:
+            headers["X-Forwarded-For"] = request.remote
+        try:
+            upstream = await self._session.request(
+                request.method,
+                f"{replica.url}{request.rel_url}",
+                headers=headers,
+                data=body if request.body_exists else None,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    sock_connect=self.config.connect_timeout,
+                    sock_read=self.config.read_timeout,
+                ),
+            )
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, _BodyTooLarge) as exc:
+            if body.is_too_large:
+                return _error(413, f"request body exceeds {self.config.max_body_bytes} bytes")
+            replica.num_errors += 1
+            status = 504 if isinstance(exc, TimeoutError) else 502
+            return _error(status, f"replica {replica.index} failed: {type(exc).__name__} {exc}")
+        try:
+            response = await self._stream_back(request, replica, upstream)
+        except BaseException:  # the client went away (cancelled) or writing to it failed
+            upstream.close()  # drops the replica connection: vLLM aborts the request
+            raise
+        upstream.release()  # a whole body read: the connection goes back to the pool
+        return response
+
+    async def _stream_back(
+        self, request: web.Request, replica: ReplicaState, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name, value in upstream.headers.items():
+            if name.lower() not in HOP_BY_HOP:
+                response.headers.add(name, value)
+        response.headers[REPLICA_HEADER] = str(replica.index)
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            replica.num_errors += 1
+            message = f"replica {replica.index} failed mid-response: {type(exc).__name__} {exc}"
+            logger.warning(message)
+            if upstream.content_type != "text/event-stream":
+                # No in-band way to say "cut short": drop the connection instead of ending it.
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            await response.write(_sse_error(message))
+        await response.write_eof()
+        return response
