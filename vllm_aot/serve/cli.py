@@ -192,34 +192,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
-    """vLLM's OpenAI server on our platform; unknown flags go to vLLM unchanged."""
-    import json
-    import os
+    """vLLM's OpenAI server on our platform (N replicas behind a proxy with
+    --data-parallel-size); unknown flags go to vLLM unchanged."""
+    from vllm_aot.serve.launch import run_serve
 
-    model_dir = resolve_model(args.model)
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-    ]
-    if args.model in (None, "", "default", DEFAULT_MODEL_NAME):
-        command += ["--served-model-name", DEFAULT_MODEL_NAME]
-    options = {"backend": args.backend}
-    if args.require_cached:
-        options["require_cached"] = True
-    command += ["--additional-config", json.dumps(options), *vllm_args]
-    env = dict(os.environ)
-    # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    print("$", " ".join(command), flush=True)
-    os.execvpe(command[0], command, env)
-    return 0  # not reached
+    return run_serve(args, vllm_args, resolve_model(args.model))
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("configuration (default: exported dir, else defaults)")
+    g.add_argument("--batch-size", type=int, default=None, help="max sequences per step")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported")
+    g = parser.add_argument_group("data parallelism")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="replicas behind a proxy")
+    g.add_argument("--cores", default=None, help="cores to split among replicas, e.g. 0-3,8-11")
+    g.add_argument("--max-restarts", type=int, default=3, help="per replica, in a row")
+    g.add_argument("--start-timeout", type=float, default=900.0, help="seconds")
+    g.add_argument("--replica-log-dir", default=None, help="replica-N.log files (default: ours)")
+    g = parser.add_argument_group("proxy (data-parallel-size > 1)")
+    g.add_argument("--proxy-max-body-mb", type=int, default=32, help="request body limit")
+    g.add_argument("--proxy-connect-timeout", type=float, default=5.0, help="seconds")
+    g.add_argument("--proxy-read-timeout", type=float, default=600.0, help="seconds of silence")
+    g.add_argument("--proxy-health-interval", type=float, default=2.0, help="seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--require-cached", action="store_true", help="never compile; fail instead")
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve, passes_unknown=True)
 
     p = sub.add_parser("validate", help="logit validation against HF transformers")

@@ -1,0 +1,195 @@
+"""`vllm-aot serve --data-parallel-size 2`: real replicas behind the proxy, killed and stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from vllm_aot.testing import free_port, stop_process, wait_healthy
+
+API_KEY = "secret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SHAPES = ["--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "4",
+          "--max-num-batched-tokens", "64", "--dtype", "float32"]  # fmt: skip
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+pytestmark = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="two replicas need two cores"
+)
+
+
+def serve_command(model_dir, port, *args):
+    return [sys.executable, "-m", "vllm_aot.serve.cli", "serve", str(model_dir),
+            "--backend", "eager", "--port", str(port), *SHAPES, *args]  # fmt: skip
+
+
+def descendants(process: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(process.pid).children(recursive=True)
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model_dirs, tmp_path_factory):
+    """(base URL, the `vllm-aot serve` process, its log path) with two replicas."""
+    logs = tmp_path_factory.mktemp("serve-dp")
+    port = free_port()
+    command = serve_command(
+        tiny_model_dirs("llama"), port, "--data-parallel-size", "2", "--api-key", API_KEY,
+        "--proxy-health-interval", "0.5", "--replica-log-dir", str(logs),
+    )  # fmt: skip
+    log = open(logs / "serve.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        command, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, timeout=300)
+        yield url, process, logs / "serve.log"
+    finally:
+        stop_process(process)
+        log.close()
+
+
+def stream_completion(url: str, max_tokens: int, events: list, started: threading.Event | None):
+    """Stream one completion; append (replica, [SSE payloads]) to `events`."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    payloads: list[str] = []
+    replica = None
+    try:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120
+        ) as response:
+            replica = response.headers.get("x-vllm-aot-replica")
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line.removeprefix("data: "))
+                    if started is not None:
+                        started.set()
+    except httpx.HTTPError as exc:
+        payloads.append(f"transport error: {exc!r}")
+    events.append((replica, payloads))
+
+
+def run_streams(url: str, num_streams: int, max_tokens: int, during=None):
+    events: list = []
+    started = [threading.Event() for _ in range(num_streams)]
+    threads = [
+        threading.Thread(target=stream_completion, args=(url, max_tokens, events, started[i]))
+        for i in range(num_streams)
+    ]
+    for thread in threads:
+        thread.start()
+    if during is not None:
+        for event in started:
+            assert event.wait(60), "a stream got no first token"
+        during()
+    for thread in threads:
+        thread.join(180)
+    return events
+
+
+def replica_served(url: str) -> str:
+    response = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=30)
+    assert response.status_code == 200
+    return response.headers["x-vllm-aot-replica"]
+
+
+def test_api_key_is_checked_through_the_proxy(dp_server):
+    url, _, _ = dp_server
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    response = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=30)
+    assert [m["id"] for m in response.json()["data"]] == ["tiny"]
+
+
+def test_two_replicas_serve_concurrent_streams(dp_server):
+    url, _, _ = dp_server
+    events = run_streams(url, num_streams=6, max_tokens=16)
+    assert len(events) == 6
+    for _, payloads in events:
+        assert payloads[-1] == "[DONE]"
+        assert len(payloads) == 17  # 16 tokens + [DONE]
+    assert {replica for replica, _ in events} == {"0", "1"}
+
+
+def test_metrics_have_both_replicas_series(dp_server):
+    url, _, _ = dp_server
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for replica in ("0", "1"):
+        assert f'vllm:num_requests_running{{replica="{replica}"' in text
+        assert f'vllm_aot_proxy_requests_total{{replica="{replica}"}}' in text
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+
+
+def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp_server):
+    url, process, log = dp_server
+    health = httpx.get(f"{url}/health", timeout=30).json()
+    port = health["replicas"][0]["url"].rsplit(":", 1)[1]
+    victim = next(p for p in psutil.Process(process.pid).children() if port in p.cmdline())
+
+    events = run_streams(url, num_streams=4, max_tokens=230, during=lambda: victim.kill())
+    by_replica = {"0": [], "1": []}
+    for replica, payloads in events:
+        by_replica[replica].append(payloads)
+    assert len(by_replica["0"]) == len(by_replica["1"]) == 2  # least-loaded: two each
+    for payloads in by_replica["0"]:  # cut short, told so in-band, no hang
+        assert "error" in json.loads(payloads[-1])
+        assert "replica 0 failed" in payloads[-1]
+    for payloads in by_replica["1"]:
+        assert payloads[-1] == "[DONE]"
+        assert len(payloads) == 231
+
+    health = httpx.get(f"{url}/health", timeout=30)
+    assert health.status_code == 200  # one replica is enough
+    assert health.json()["replicas"][0]["healthy"] is False
+    assert {replica_served(url) for _ in range(4)} == {"1"}
+    # The manager restarts it (backoff 1 s) and the health checks re-admit it.
+    deadline = time.monotonic() + 240
+    while not httpx.get(f"{url}/health", timeout=30).json()["replicas"][0]["healthy"]:
+        assert time.monotonic() < deadline, "replica 0 was not re-admitted"
+        assert process.poll() is None
+        time.sleep(1)
+    assert {replica_served(url) for _ in range(4)} == {"0", "1"}
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert 'vllm_aot_proxy_ejections_total{replica="0"} 1' in metrics
+    assert "replica 0 process exited with code -9; restarting in 1 s" in log.read_text()
+
+
+def test_sigterm_stops_every_process(dp_server):
+    _, process, log = dp_server
+    children = descendants(process)
+    assert len(children) >= 4  # two API servers and their engines
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert time.monotonic() - start < 25
+    assert [p.pid for p in children if p.is_running() and p.status() != "zombie"] == []
+    assert "all replicas stopped" in log.read_text()
+
+
+def test_a_replica_failing_at_start_up_stops_everything(tiny_model_dir):
+    # 250 is not a multiple of the 16-token block: each replica's platform refuses it.
+    command = serve_command(tiny_model_dir, free_port(), "--data-parallel-size", "2")
+    command[command.index("256")] = "250"
+    process = subprocess.Popen(
+        command, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        output, _ = process.communicate(timeout=240)
+    finally:
+        stop_process(process)
+    text = output.decode(errors="replace")
+    assert process.returncode == 1
+    assert "during start-up" in text and "all replicas stopped" in text
+    for line in text.splitlines():
+        if "(pid " in line and "replica" in line:
+            pid = int(line.split("(pid ")[1].split(")")[0])
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"

