@@ -60,11 +60,19 @@ def test_export_compiles_every_program_once(exported):
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
 
 
+def test_a_second_export_takes_every_program_from_the_cache(exported, tiny_model_dir, tmp_path):
+    out, _ = exported
+    report = export_model(tiny_model_dir, tmp_path / "again", tiny_config(**COMPILED))
+    assert report.compile_seconds == {}
+    for program in (out / "programs").iterdir():
+        assert (tmp_path / "again" / "programs" / program.name).read_bytes() == program.read_bytes()
+
+
 def test_exported_directory_loads_without_compiling_and_matches_eager(exported, tiny_model_dir):
     out, _ = exported
     compiled, report = load_artifact(out, expected=tiny_config(**COMPILED))
     assert report.compiled == {}
-    assert len(report.loaded) == 4
+    assert len(report.loaded) == 4 and report.count("artifact") == 4
     eager, _ = load_model(tiny_model_dir, tiny_config(**{**COMPILED, "backend": "eager"}))
     assert generate(compiled) == generate(eager)
     ids = list(range(300, 340))

@@ -1,4 +1,4 @@
-"""`vllm-aot`: models, export, validate, demo."""
+"""`vllm-aot`: models, export, serve, cache, validate, demo."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.serve import cache_cli
 
 
 def resolve_model(name: str | None) -> Path:
@@ -89,6 +90,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     model_dir = resolve_model(args.model)
+    if args.compile_only:
+        return _compile_only(model_dir, config, args)
+    if args.output is None:
+        raise SystemExit("error: export needs -o/--output DIR (or --compile-only)")
     report = export_model(
         model_dir, args.output, config, copy_weights=args.copy_weights, num_workers=args.workers
     )
@@ -96,6 +101,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(
         f"exported {model_dir.name} to {report.out_dir}: {len(compiled)} programs compiled "
         f"({sum(compiled.values()):.0f} s of compile), {report.total_seconds:.0f} s in total"
+    )
+    return 0
+
+
+def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
+    """Fill the compile cache (and the registry) for `config`; load no weights."""
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+    from vllm_aot.models.registry import load_arch
+    from vllm_aot.runtime.loader import LoadReport, check_fits, ensure_programs
+
+    arch = load_arch(model_dir)
+    check_fits(arch, config)
+    cache = ProgramCache(
+        CacheSettings.from_env(remote_url=args.remote_cache, upload=args.cache_upload or None)
+    )
+    report = LoadReport()
+    start = time.perf_counter()
+    ensure_programs(arch, config, report, cache=cache, num_workers=args.workers)
+    print(
+        f"{len(report.sources)} programs in {cache.local.root}: {report.count('local')} were "
+        f"cached, {report.count('remote')} fetched, {report.count('compiled')} compiled "
+        f"({sum(report.compiled.values()):.0f} s of compile) in {time.perf_counter() - start:.0f} s"
     )
     return 0
 
@@ -213,6 +240,10 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     options = {"backend": args.backend}
     if args.require_cached:
         options["require_cached"] = True
+    if args.remote_cache:
+        options["remote_cache"] = args.remote_cache
+    if args.cache_upload:
+        options["cache_upload"] = True
     command += ["--additional-config", json.dumps(options), *vllm_args]
     env = dict(os.environ)
     # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
@@ -220,6 +251,17 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     print("$", " ".join(command), flush=True)
     os.execvpe(command[0], command, env)
     return 0  # not reached
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--remote-cache",
+        help="shared store of compiled programs: file:///dir or s3://bucket/prefix "
+        "(default: VLLM_AOT_REMOTE_CACHE)",
+    )
+    parser.add_argument(
+        "--cache-upload", action="store_true", help="upload what this process compiles"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,9 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="compile a model into an artifact directory")
     p.add_argument("model", nargs="?", help=f"HF directory (default: {DEFAULT_MODEL_NAME})")
-    p.add_argument("-o", "--output", required=True, type=Path)
+    p.add_argument("-o", "--output", type=Path, help="artifact directory to write")
     p.add_argument("--copy-weights", action="store_true", help="make the directory self-contained")
     p.add_argument("--workers", type=int, default=None, help="parallel compile processes")
+    p.add_argument(
+        "--compile-only", action="store_true", help="only fill the compile cache (no -o needed)"
+    )
+    add_cache_args(p)
     add_config_args(p)
     p.set_defaults(func=cmd_export)
 
@@ -246,7 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--require-cached", action="store_true", help="never compile; fail instead")
+    add_cache_args(p)
     p.set_defaults(func=cmd_serve, passes_unknown=True)
+
+    cache_cli.add_parser(sub)
 
     p = sub.add_parser("validate", help="logit validation against HF transformers")
     p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
