@@ -102,10 +102,11 @@ class AotPlatform(CpuPlatform):
             options = dataclasses.replace(options, stats_file=_stats_file())
         register_collector(options.stats_file)
         super().check_and_update_config(vllm_config)
-        if os.environ.get("VLLM_AOT_ENGINE_FORK", "1") != "0":
+        if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
             # Fork the engine process from the front end instead of spawning a fresh interpreter
-            # that imports vLLM again (~12 s here; vLLM's CPU platform asks for spawn). Safe for
-            # us: the front end has started no OpenMP pool and no accelerator.
+            # that imports vLLM again (~12 s here). `vllm-aot serve` asks for it: its front end
+            # has run no torch kernels, so no OpenMP pool is copied into the child. A library
+            # user's process may have one (GNU OpenMP does not survive fork): spawn stays theirs.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         if not scheduler_config.enable_chunked_prefill:
             logger.warning("vllm-aot always prefills long prompts in chunks; enabling it")

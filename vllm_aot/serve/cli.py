@@ -248,6 +248,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     env = dict(os.environ)
     # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
     print("$", " ".join(command), flush=True)
     os.execvpe(command[0], command, env)
     return 0  # not reached
