@@ -139,7 +139,8 @@ def run_capture(
     if not 0 <= prompt_index < len(sequences):
         raise SystemExit(f"error: --prompt {prompt_index}: choose 0..{len(sequences) - 1}")
     token_ids = sequences[prompt_index]
-    hf = capture_hf(reference, token_ids, model.config.torch_dtype, [*patterns, *replace])
+    hf_patterns = [*patterns, *replace] if patterns else []  # no patterns: everything
+    hf = capture_hf(reference, token_ids, model.config.torch_dtype, hf_patterns)
     try:
         replacements = select(hf, replace)
         ours = capture_ours(model, token_ids, patterns, replacements=replacements)
