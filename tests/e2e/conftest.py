@@ -7,9 +7,8 @@ import pytest
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
 MAX_MODEL_LEN = 256
-SERVER_ARGS = [
-    "--served-model-name",
-    "tiny",
+# The tiny model's shapes (4 rows, 256 tokens, 64-token chunks, blocks of 16, float32).
+SHAPE_ARGS = [
     "--max-model-len",
     str(MAX_MODEL_LEN),
     "--max-num-seqs",
@@ -20,6 +19,11 @@ SERVER_ARGS = [
     "16",
     "--dtype",
     "float32",
+]
+SERVER_ARGS = [
+    "--served-model-name",
+    "tiny",
+    *SHAPE_ARGS,
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",

@@ -11,22 +11,10 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.conftest import SERVER_ENV
+from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-# The tiny model's compiled configuration (test_export compiles the same one: one of them hits).
-SHAPE_ARGS = [
-    "--max-model-len",
-    "256",
-    "--max-num-seqs",
-    "4",
-    "--max-num-batched-tokens",
-    "64",
-    "--block-size",
-    "16",
-    "--dtype",
-    "float32",
-]
+# With SHAPE_ARGS: one bucket of each kind, four programs.
 BUCKETS = {"decode_batch_buckets": [4], "prefill_token_buckets": [64]}
 
 
