@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from vllm_aot.models.prepare import prepare_default_model
 from vllm_aot.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory) -> Path:
+    """Tests (and the servers they start) compile into a private cache, never the user's."""
+    path = tmp_path_factory.mktemp("compile-cache")
+    previous = os.environ.get("VLLM_AOT_COMPILE_CACHE")
+    os.environ["VLLM_AOT_COMPILE_CACHE"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("VLLM_AOT_COMPILE_CACHE", None)
+    else:
+        os.environ["VLLM_AOT_COMPILE_CACHE"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -17,3 +17,36 @@ def tiny_config(**overrides) -> RuntimeConfig:
     )
     fields.update(overrides)
     return RuntimeConfig(**fields)
+
+
+def tiny_arch(**overrides):
+    """The architecture of `make_tiny_model`'s Llama, without building the model."""
+    from vllm_aot.models.config import ModelArch, RopeSpec
+
+    fields = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-5,
+        rope=RopeSpec(theta=10000.0, head_dim=16),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    fields.update(overrides)
+    return ModelArch(**fields)
+
+
+# Four programs (one of each kind) for the cache tests with a fake compiler.
+TINY_CACHE_CONFIG = RuntimeConfig(
+    max_num_seqs=2,
+    max_model_len=256,
+    max_num_batched_tokens=64,
+    dtype="float32",
+    decode_batch_buckets=(2,),
+    prefill_token_buckets=(64,),
+)

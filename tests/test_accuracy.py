@@ -19,6 +19,7 @@ from vllm_aot.accuracy.logits import (
 )
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
 from vllm_aot.accuracy.teacher_forcing import HFReference, our_logits
+from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.loader import load_model
 
@@ -265,10 +266,9 @@ def test_smollm_fp32_inductor_logits_match_hf(
         decode_context_buckets=(512,),
         prefill_token_buckets=(128,),
     )
-    model, load_report = load_model(
-        default_model_dir, config, programs_dir=tmp_path / "programs", show_progress=False
-    )
-    assert load_report.compiled, "a fresh programs_dir must compile its programs"
+    cache = ProgramCache(CacheSettings(root=tmp_path / "cache"))
+    model, load_report = load_model(default_model_dir, config, cache=cache, show_progress=False)
+    assert load_report.compiled, "a fresh cache must compile its programs"
     report = validate(
         default_model_dir, model, smollm_sequences, three_way=False, reference=smollm_reference
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
+from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.runtime.artifacts import (
     MANIFEST_NAME,
     ArtifactMismatchError,
@@ -29,9 +30,16 @@ PROMPTS = [[100, 200, 300, 400], list(range(1000, 1050)), [7] * 20]
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_model_dirs, tmp_path_factory):
+def export_cache(tmp_path_factory) -> ProgramCache:
+    """This module's own compile cache: its first export must compile."""
+    return ProgramCache(CacheSettings(root=tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dirs, tmp_path_factory, export_cache):
     out = tmp_path_factory.mktemp("export") / "tiny-llama"
-    report = export_model(tiny_model_dirs("llama"), out, tiny_config(**COMPILED))
+    cache = export_cache
+    report = export_model(tiny_model_dirs("llama"), out, tiny_config(**COMPILED), cache=cache)
     return out, report
 
 
@@ -60,11 +68,22 @@ def test_export_compiles_every_program_once(exported):
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
 
 
+def test_a_second_export_takes_every_program_from_the_cache(
+    exported, export_cache, tiny_model_dir, tmp_path
+):
+    out, _ = exported
+    again = tmp_path / "again"
+    report = export_model(tiny_model_dir, again, tiny_config(**COMPILED), cache=export_cache)
+    assert report.compile_seconds == {}
+    for program in (out / "programs").iterdir():
+        assert (again / "programs" / program.name).read_bytes() == program.read_bytes()
+
+
 def test_exported_directory_loads_without_compiling_and_matches_eager(exported, tiny_model_dir):
     out, _ = exported
     compiled, report = load_artifact(out, expected=tiny_config(**COMPILED))
     assert report.compiled == {}
-    assert len(report.loaded) == 4
+    assert len(report.loaded) == 4 and report.count("artifact") == 4
     eager, _ = load_model(tiny_model_dir, tiny_config(**{**COMPILED, "backend": "eager"}))
     assert generate(compiled) == generate(eager)
     ids = list(range(300, 340))

@@ -8,7 +8,7 @@ from vllm_aot.serve.cli import main
 from vllm_aot.serve.cores import format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.metrics import label_sample
 from vllm_aot.serve.replicas import RestartPolicy
-from vllm_aot.serve.settings import ShapeFlags, choose_config, flag_value
+from vllm_aot.serve.settings import RegistryPick, ShapeFlags, choose_config, flag_value
 
 MANIFEST = {"config": {"max_num_seqs": 8, "max_model_len": 512, "dtype": "float32",
                        "block_size": 16, "max_num_batched_tokens": 128}}  # fmt: skip
@@ -45,11 +45,22 @@ def test_cores_split_into_equal_groups_and_too_few_are_refused():
 
 
 def test_configuration_order_flags_then_registry_then_defaults():
-    registry = ShapeFlags(batch_size=16, max_model_len=1024, dtype="bfloat16")
+    registry = RegistryPick(
+        {
+            "max_num_seqs": 8,
+            "max_model_len": 1024,
+            "dtype": "bfloat16",
+            "block_size": 32,
+            "decode_batch_buckets": (1, 8),
+        },
+        why="cached configuration abc (local)",
+    )
     chosen = choose_config(ShapeFlags(batch_size=8), registry_choice=registry)
     assert chosen.vllm_args == ("--max-num-seqs", "8", "--max-model-len", "1024", "--dtype",
                                 "bfloat16")  # fmt: skip
+    assert chosen.additional_config == {"block_size": 32, "decode_batch_buckets": (1, 8)}
     assert "batch_size = 8 (from --batch-size)" in chosen.reasons
+    assert "cached configuration abc (local)" in chosen.reasons
     assert any("max_model_len = 1024 (compiled configuration" in r for r in chosen.reasons)
     defaults = choose_config(ShapeFlags())
     assert defaults.vllm_args == ()  # the platform's defaults: the same cache keys as plain vLLM
@@ -66,7 +77,7 @@ def test_exported_directory_fixes_the_shapes_and_refuses_contradictions():
     with pytest.raises(ValueError, match=r"--block-size 32 \(it was compiled for 16\)"):
         choose_config(ShapeFlags(), passthrough=("--block-size", "32"), manifest=MANIFEST)
     # The registry never overrides an exported directory.
-    registry = ShapeFlags(batch_size=32)
+    registry = RegistryPick({"max_num_seqs": 32, "max_model_len": 512, "dtype": "float32"})
     assert choose_config(ShapeFlags(), manifest=MANIFEST, registry_choice=registry).vllm_args == ()
 
 
@@ -113,3 +124,38 @@ def test_replica_label_and_restart_backoff():
     assert label_sample("a{} 2", "1") == 'a{replica="1"} 2'
     policy = RestartPolicy(initial_backoff=1, max_backoff=30)
     assert [policy.backoff(n) for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]
+
+
+def test_serve_picks_the_registry_configuration_that_matches_the_flags(tmp_path, tiny_model_dir):
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+    from vllm_aot.cache.registry import CompiledConfiguration
+    from vllm_aot.models.registry import load_arch
+    from vllm_aot.runtime.config import RuntimeConfig
+    from vllm_aot.serve.selection import pick_from_registry
+
+    settings = CacheSettings(root=tmp_path)
+    arch = load_arch(tiny_model_dir)
+    for batch, length, dtype in (
+        (8, 1024, "bfloat16"),
+        (32, 512, "bfloat16"),
+        (64, 256, "float32"),
+    ):
+        config = RuntimeConfig(max_num_seqs=batch, max_model_len=length, dtype=dtype)
+        ProgramCache(settings).registry.record(CompiledConfiguration.build(arch, config, {}))
+
+    def pick(flags=None, passthrough=()):
+        flags = flags or ShapeFlags()
+        return pick_from_registry(tiny_model_dir, flags, passthrough, backend="inductor",
+                                  cores_per_replica=2, cache_settings=settings)  # fmt: skip
+
+    best, why = pick()  # dtype left open means vLLM's bfloat16; then the largest batch
+    assert (best.runtime["max_num_seqs"], best.runtime["dtype"]) == (32, "bfloat16")
+    assert "largest TP, then batch, then length" in why
+    assert pick(ShapeFlags(max_model_len=1024))[0].runtime["max_num_seqs"] == 8
+    assert pick(passthrough=("--dtype", "float32"))[0].runtime["max_num_seqs"] == 64
+    none, why = pick(ShapeFlags(batch_size=4))
+    assert none is None and "defaults apply" in why
+    chosen = choose_config(ShapeFlags(), registry_choice=best)
+    assert chosen.vllm_args == ("--max-num-seqs", "32", "--max-model-len", "512", "--dtype",
+                                "bfloat16")  # fmt: skip
+    assert chosen.additional_config["decode_batch_buckets"] == [1, 2, 4, 8, 16, 32]

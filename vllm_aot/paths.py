@@ -20,3 +20,9 @@ def models_dir() -> Path:
     """Prepared HF model directories (`VLLM_AOT_MODELS_DIR`, default `<cache root>/models`)."""
     configured = os.environ.get("VLLM_AOT_MODELS_DIR")
     return Path(configured).expanduser() if configured else cache_root() / "models"
+
+
+def compiled_cache_dir() -> Path:
+    """The local compile cache (`VLLM_AOT_COMPILE_CACHE`, default `<cache root>/compiled`)."""
+    configured = os.environ.get("VLLM_AOT_COMPILE_CACHE")
+    return Path(configured).expanduser() if configured else cache_root() / "compiled"

@@ -7,7 +7,8 @@ chunks. Both return logits [tokens, vocab] float32 where row i predicts token i 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,16 @@ class HFReference:
             out = model(input_ids=torch.tensor([list(token_ids)]), use_cache=False)
         return out.logits[0].float()
 
+    def key_values(
+        self, token_ids: TokenIds, dtype: torch.dtype | str = torch.float32
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of HF's cache after `token_ids`, each [tokens, kv_heads, head_dim]
+        float32. Post-rotary, as HF applies the rotation before it updates the cache (ours too)."""
+        model = self.model(dtype)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([list(token_ids)]), use_cache=True)
+        return cache_key_values(out.past_key_values)
+
     def greedy(
         self, prompt_token_ids: TokenIds, num_tokens: int, dtype: torch.dtype | str = torch.float32
     ) -> list[int]:
@@ -96,6 +107,15 @@ class HFReference:
         return generated
 
 
+def cache_key_values(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An HF cache of one sequence -> per layer (K, V), [tokens, kv_heads, head_dim] float32."""
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    else:
+        pairs = list(zip(cache.key_cache, cache.value_cache, strict=True))
+    return [(k[0].transpose(0, 1).float(), v[0].transpose(0, 1).float()) for k, v in pairs]
+
+
 def reference_logits(
     model_dir: str | Path, token_ids: TokenIds, dtype: torch.dtype | str = torch.float32
 ) -> torch.Tensor:
@@ -114,8 +134,17 @@ def our_logits(model: CompiledModel, token_ids: TokenIds) -> torch.Tensor:
     the sequence cannot be fed under the model's config. Uses KV blocks of the model's cache, so
     it must not run while a Generator on the same model has requests in flight.
     """
+    with sequence_blocks(model, len(token_ids)) as block_table:
+        return feed_sequence(model, token_ids, block_table)
+
+
+@contextmanager
+def sequence_blocks(model: CompiledModel, num_tokens: int) -> Iterator[list[int]]:
+    """A block table for `num_tokens` tokens from a fresh allocator, freed on exit.
+
+    Raises ValueError, naming the limit, when the sequence cannot be fed under the model's config.
+    """
     config = model.config
-    num_tokens = len(token_ids)
     if num_tokens == 0:
         raise ValueError("token_ids is empty")
     if num_tokens > config.max_model_len:
@@ -133,13 +162,24 @@ def our_logits(model: CompiledModel, token_ids: TokenIds) -> torch.Tensor:
     allocator = BlockAllocator(model.kv.num_blocks)
     block_table = allocator.allocate(blocks_needed(num_tokens, config.block_size))
     try:
-        with torch.no_grad():
-            parts = [
-                model.prefill_logits(
-                    PrefillChunk(list(token_ids[start : start + chunk_size]), start, block_table)
-                )
-                for start in range(0, num_tokens, chunk_size)
-            ]
+        yield block_table
     finally:
         allocator.free(block_table)
+
+
+def feed_sequence(
+    model: CompiledModel, token_ids: TokenIds, block_table: Sequence[int]
+) -> torch.Tensor:
+    """Teacher-force `token_ids` through `block_table`, chunk by chunk; logits as `our_logits`.
+
+    The sequence's K/V stay in the pool afterwards (for KV analysis) until the blocks are reused.
+    """
+    chunk_size = max(model.config.prefill_token_buckets)
+    with torch.no_grad():
+        parts = [
+            model.prefill_logits(
+                PrefillChunk(list(token_ids[start : start + chunk_size]), start, block_table)
+            )
+            for start in range(0, len(token_ids), chunk_size)
+        ]
     return torch.cat(parts).float()

@@ -3,9 +3,10 @@
 Sources, in order: an exported artifact directory given as the model (its manifest fixes every
 shape); vLLM's own flags where the user set them (--max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --block-size, --dtype); `--additional-config` keys named like
-RuntimeConfig fields (`backend`, `decode_batch_buckets`, ...) plus `programs_dir` and
-`require_cached`; otherwise our defaults. The platform resolves them in the front-end process and
-stores the result in `additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
+RuntimeConfig fields (`backend`, `decode_batch_buckets`, ...) plus the cache options
+(`cache_dir`, `remote_cache`, `cache_upload`, `require_cached`); otherwise our defaults. The
+platform resolves them in the front-end process and stores the result in
+`additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from vllm_aot.runtime.artifacts import is_artifact_dir, read_manifest
 from vllm_aot.runtime.config import RuntimeConfig
 
 RESOLVED_KEY = "vllm_aot"
-OPTION_KEYS = ("programs_dir", "require_cached")
+OPTION_KEYS = ("cache_dir", "remote_cache", "cache_upload", "require_cached", "stats_file")
 # vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
 # a value equal to one of these means the user did not choose one, so ours applies.
 _VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256)
@@ -30,23 +31,32 @@ DEFAULT_MAX_MODEL_LEN = 2048
 class AotOptions:
     runtime: RuntimeConfig
     artifact_dir: Path | None = None  # the model is an exported directory: load, never compile
-    programs_dir: Path | None = None  # where compiled programs live (default: the cache)
+    cache_dir: str | None = None  # local compile cache (default: VLLM_AOT_COMPILE_CACHE or ~)
+    remote_cache: str | None = None  # file:// or s3:// (default: VLLM_AOT_REMOTE_CACHE)
+    cache_upload: bool | None = None  # push compiled programs (default: VLLM_AOT_CACHE_UPLOAD)
     require_cached: bool = False  # a missing program is an error instead of a compile
+    stats_file: str | None = None  # where the worker reports start-up counters (see metrics.py)
+
+    def cache_settings(self):
+        from vllm_aot.cache.program_cache import CacheSettings
+
+        return CacheSettings.from_env(
+            root=self.cache_dir, remote_url=self.remote_cache, upload=self.cache_upload
+        )
 
     def to_dict(self) -> dict[str, Any]:
         fields = asdict(self)
         fields["runtime"] = self.runtime.to_dict()
-        for name in ("artifact_dir", "programs_dir"):
-            fields[name] = str(fields[name]) if fields[name] else None
+        fields["artifact_dir"] = str(self.artifact_dir) if self.artifact_dir else None
         return fields
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> AotOptions:
+        fields = dict(fields)
+        runtime = RuntimeConfig.from_dict(fields.pop("runtime"))
+        artifact_dir = fields.pop("artifact_dir", None)
         return cls(
-            runtime=RuntimeConfig.from_dict(fields["runtime"]),
-            artifact_dir=Path(fields["artifact_dir"]) if fields.get("artifact_dir") else None,
-            programs_dir=Path(fields["programs_dir"]) if fields.get("programs_dir") else None,
-            require_cached=bool(fields.get("require_cached", False)),
+            runtime=runtime, artifact_dir=Path(artifact_dir) if artifact_dir else None, **fields
         )
 
 

@@ -8,11 +8,17 @@ scheduler limits agree with the compiled shapes.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import logging
+import os
+import tempfile
+from pathlib import Path
 
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import supported_architectures
+from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import RESOLVED_KEY, resolve_options
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
@@ -47,6 +53,25 @@ def _refuse_unsupported(vllm_config) -> None:
         raise ValueError("vllm-aot does not support " + "; ".join(problems))
 
 
+def _refuse_uncached(model: str, options) -> None:
+    """--require-cached: fail in the front end, before any process starts, naming what is cached."""
+    from vllm_aot.cache.program_cache import ProgramCache
+    from vllm_aot.models.registry import load_arch
+
+    cache = ProgramCache(options.cache_settings())
+    arch = load_arch(model)
+    missing = cache.missing(arch, options.runtime)
+    if missing:
+        raise ValueError(cache.miss_message(arch, missing))
+
+
+def _stats_file() -> str:
+    """Where this front end's engine reports its start-up counters (removed at exit)."""
+    path = Path(tempfile.gettempdir()) / f"vllm-aot-stats-{os.getpid()}.json"
+    atexit.register(path.unlink, missing_ok=True)
+    return str(path)
+
+
 class AotPlatform(CpuPlatform):
     device_name = "cpu"
 
@@ -71,7 +96,18 @@ class AotPlatform(CpuPlatform):
             extra=extra,
         )
         runtime = options.runtime
+        if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:
+            _refuse_uncached(model_config.model, options)
+        if options.stats_file is None:
+            options = dataclasses.replace(options, stats_file=_stats_file())
+        register_collector(options.stats_file)
         super().check_and_update_config(vllm_config)
+        if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
+            # Fork the engine process from the front end instead of spawning a fresh interpreter
+            # that imports vLLM again (~12 s here). `vllm-aot serve` asks for it: its front end
+            # has run no torch kernels, so no OpenMP pool is copied into the child. A library
+            # user's process may have one (GNU OpenMP does not survive fork): spawn stays theirs.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         if not scheduler_config.enable_chunked_prefill:
             logger.warning("vllm-aot always prefills long prompts in chunks; enabling it")
             scheduler_config.enable_chunked_prefill = True

@@ -17,21 +17,33 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.models.registry import load_arch
+from vllm_aot.plugin.metrics import write_load_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.runner import AotModelRunner
+from vllm_aot.runtime.artifacts import artifact_program_paths
 from vllm_aot.runtime.loader import (
     LoadReport,
     check_fits,
-    compile_missing_programs,
-    default_programs_dir,
+    ensure_programs,
     load_programs,
     load_weights_timed,
-    missing_programs,
 )
 from vllm_aot.runtime.model import CompiledModel
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
+
+
+_HOW = {
+    "local": "loaded from the local cache",
+    "remote": "fetched from the remote store",
+    "compiled": "compiled",
+}
+
+
+def _log_program(name: str, source: str, seconds: float) -> None:
+    logger.info("vllm-aot: program %s %s in %.3f s", name, _HOW[source], seconds)
 
 
 class AotWorker(WorkerBase):
@@ -47,46 +59,26 @@ class AotWorker(WorkerBase):
         self.arch = load_arch(self.model_dir)
         check_fits(self.arch, runtime)
         report = LoadReport()
-        programs_dir = None
-        if runtime.backend == "inductor":
-            programs_dir = (
-                options.artifact_dir / "programs"
-                if options.artifact_dir
-                else options.programs_dir or default_programs_dir(self.arch, runtime)
+        paths = None
+        if runtime.backend == "inductor" and options.artifact_dir:
+            paths = artifact_program_paths(options.artifact_dir, runtime)
+            report.sources = {key.name: "artifact" for key in paths}
+        elif runtime.backend == "inductor":
+            paths = ensure_programs(
+                self.arch,
+                runtime,
+                report,
+                cache=ProgramCache(options.cache_settings()),
+                allow_compile=not options.require_cached,
+                show_progress=False,
+                on_event=_log_program,
             )
-            self._ensure_programs(programs_dir, report)
-        self._programs = load_programs(self.arch, runtime, programs_dir, report)
-        weights_dir = self._weights_dir()
-        self._weights = load_weights_timed(weights_dir, self.arch, runtime, report)
+        self._programs = load_programs(self.arch, runtime, paths, report)
+        self._weights = load_weights_timed(self._weights_dir(), self.arch, runtime, report)
         self._report = report
-        for name, seconds in sorted(report.loaded.items()):
-            logger.info("vllm-aot: program %s loaded from cache in %.3f s", name, seconds)
-        logger.info("vllm-aot: %s (programs in %s)", report.summary(), programs_dir or "eager")
-
-    def _ensure_programs(self, programs_dir, report: LoadReport) -> None:
-        missing = [k.name for k in missing_programs(self.options.runtime, programs_dir)]
-        if not missing:
-            return
-        if self.options.artifact_dir or self.options.require_cached:
-            raise RuntimeError(
-                f"{len(missing)} compiled programs are missing from {programs_dir} "
-                f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}) and compiling "
-                "is not allowed here; export them first with `vllm-aot export`"
-            )
-        logger.info(
-            "vllm-aot: compiling %d programs into %s (once; later starts load them)",
-            len(missing),
-            programs_dir,
-        )
-        report.compiled = compile_missing_programs(
-            self.arch,
-            self.options.runtime,
-            programs_dir,
-            show_progress=False,
-            on_compiled=lambda name, secs: logger.info(
-                "vllm-aot: program %s compiled in %.1f s", name, secs
-            ),
-        )
+        logger.info("vllm-aot: %s", report.summary())
+        if options.stats_file:
+            write_load_stats(options.stats_file, report)
 
     def _weights_dir(self):
         if self.options.artifact_dir is None:

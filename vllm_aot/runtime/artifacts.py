@@ -26,18 +26,21 @@ from typing import Any
 import torch
 
 import vllm_aot
+from vllm_aot.cache.keys import arch_digest
+from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.models.registry import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.loader import (
     LoadReport,
     check_fits,
-    compile_missing_programs,
+    ensure_programs,
     load_programs,
     load_weights_timed,
-    program_digest,
+    missing_programs,
+    program_path,
 )
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.programs import all_program_keys
+from vllm_aot.runtime.programs import ProgramKey, all_program_keys
 
 MANIFEST_NAME = "vllm-aot-manifest.json"
 ARTIFACT_FORMAT = 1
@@ -90,13 +93,12 @@ def export_model(
     config: RuntimeConfig,
     *,
     copy_weights: bool = False,
+    cache: ProgramCache | None = None,
     num_workers: int | None = None,
     show_progress: bool = True,
 ) -> ExportReport:
-    """Compile every program of `config` into `out_dir` and describe it in a manifest.
-
-    Programs already present in `out_dir/programs` (an interrupted export) are kept.
-    """
+    """Every program of `config`, from the compile cache or compiled into it, copied into
+    `out_dir` and described in a manifest (written last)."""
     if config.backend != "inductor":
         raise ValueError("export compiles programs: use backend='inductor'")
     start = time.perf_counter()
@@ -105,9 +107,13 @@ def export_model(
     check_fits(arch, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until rewritten
-    compiled = compile_missing_programs(
-        arch, config, out_dir / "programs", num_workers=num_workers, show_progress=show_progress
+    report = LoadReport()
+    paths = ensure_programs(
+        arch, config, report, cache=cache, num_workers=num_workers, show_progress=show_progress
     )
+    (out_dir / "programs").mkdir(exist_ok=True)
+    for key, source in paths.items():
+        _link_or_copy(source, program_path(out_dir / "programs", key))
     for name in _SMALL_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out_dir / name)
@@ -119,7 +125,7 @@ def export_model(
         "vllm_aot_version": vllm_aot.__version__,
         "torch_version": torch.__version__,
         "architecture": arch.architecture,
-        "program_digest": program_digest(arch, config),
+        "arch_digest": arch_digest(arch),
         "config": config.to_dict(),
         "programs": sorted(k.name for k in all_program_keys(config)),
         "weights": {"copied": copy_weights, "source": str(model_dir)},
@@ -128,7 +134,27 @@ def export_model(
     staging = out_dir / f".{MANIFEST_NAME}.tmp"
     staging.write_text(json.dumps(manifest, indent=2))
     os.replace(staging, out_dir / MANIFEST_NAME)
-    return ExportReport(out_dir, compiled, time.perf_counter() - start)
+    return ExportReport(out_dir, report.compiled, time.perf_counter() - start)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """Hard-link a cached program into an export (same file system), else copy it."""
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(source, staging)
+    except OSError:
+        shutil.copyfile(source, staging)
+    os.replace(staging, target)
+
+
+def artifact_program_paths(artifact_dir: Path, config: RuntimeConfig) -> dict[ProgramKey, Path]:
+    """The exported programs of `config`; FileNotFoundError naming any that are missing."""
+    programs_dir = Path(artifact_dir) / "programs"
+    missing = [k.name for k in missing_programs(config, programs_dir)]
+    if missing:
+        raise FileNotFoundError(f"{programs_dir} lacks compiled programs: {', '.join(missing)}")
+    return {key: program_path(programs_dir, key) for key in all_program_keys(config)}
 
 
 def _check_compatible(manifest: dict[str, Any], artifact_dir: Path) -> None:
@@ -179,6 +205,8 @@ def load_artifact(
         )
     arch = load_arch(artifact_dir)
     report = LoadReport()
-    programs = load_programs(arch, config, artifact_dir / "programs", report)
+    paths = artifact_program_paths(artifact_dir, config)
+    report.sources = {key.name: "artifact" for key in paths}
+    programs = load_programs(arch, config, paths, report)
     weights = load_weights_timed(weights_path, arch, config, report)
     return CompiledModel(arch, config, weights, programs), report

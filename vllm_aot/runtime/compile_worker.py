@@ -37,6 +37,16 @@ def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: 
     return Path(handle.name)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the thread that started it dies (Linux), so a
+    killed parent leaves no compiler running; its half-built entries stay invisible."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def run_workers(
     jobs: Sequence[tuple[ProgramKey, Path]],
     arch: ModelArch,
@@ -61,6 +71,7 @@ def run_workers(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                preexec_fn=_die_with_parent,
             )
             stderr_lines: list[str] = []
             drain = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr))

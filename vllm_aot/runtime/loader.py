@@ -1,9 +1,7 @@
-"""Model directory + RuntimeConfig -> CompiledModel, compiling only the programs not yet built."""
+"""Model directory + RuntimeConfig -> CompiledModel, with programs from the compile cache."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -11,10 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-import vllm_aot
-from vllm_aot import paths
+from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.registry import load_arch
 from vllm_aot.models.weights import load_weights
@@ -25,44 +20,37 @@ from vllm_aot.runtime.programs import ProgramKey, all_program_keys
 
 logger = logging.getLogger(__name__)
 
-# Bump when the programs' code changes in a way the versions below do not capture.
-PROGRAM_FORMAT = 1
-
-
-def program_fingerprint(arch: ModelArch, config: RuntimeConfig) -> dict:
-    """Everything that determines the compiled programs, and nothing machine-specific."""
-    return {
-        "format": PROGRAM_FORMAT,
-        "arch": arch.digest_fields(),
-        "shapes": config.shape_fields(),
-        "torch": torch.__version__,
-        "vllm_aot": vllm_aot.__version__,
-    }
-
-
-def program_digest(arch: ModelArch, config: RuntimeConfig) -> str:
-    blob = json.dumps(program_fingerprint(arch, config), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:24]
-
-
-def default_programs_dir(arch: ModelArch, config: RuntimeConfig) -> Path:
-    return paths.cache_root() / "programs" / program_digest(arch, config)
-
 
 @dataclass
 class LoadReport:
-    """What start-up did, per program: loaded from disk or compiled, and how long it took."""
+    """What start-up did, per program: where it came from and how long it took."""
 
-    compiled: dict[str, float] = field(default_factory=dict)
-    loaded: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # local | remote | compiled | artifact
+    compiled: dict[str, float] = field(default_factory=dict)  # compile seconds
+    fetched: dict[str, float] = field(default_factory=dict)  # remote fetch seconds
+    loaded: dict[str, float] = field(default_factory=dict)  # load seconds (every program)
     weights_seconds: float = 0.0
     weights_bytes: int = 0
 
+    def count(self, source: str) -> int:
+        return sum(s == source for s in self.sources.values())
+
     def summary(self) -> str:
+        origin = ", ".join(
+            f"{self.count(s)} {label}"
+            for s, label in (
+                ("local", "from the local cache"),
+                ("remote", "fetched from the remote store"),
+                ("compiled", "compiled"),
+                ("artifact", "from the exported directory"),
+            )
+            if self.count(s)
+        )
         return (
-            f"{len(self.loaded)} programs loaded ({sum(self.loaded.values()):.2f} s), "
-            f"{len(self.compiled)} compiled ({sum(self.compiled.values()):.1f} s), "
-            f"weights {self.weights_bytes / 1e6:.0f} MB in {self.weights_seconds:.2f} s"
+            f"{len(self.loaded)} programs loaded in {sum(self.loaded.values()):.2f} s"
+            f"{f' ({origin})' if origin else ''}; compile {sum(self.compiled.values()):.1f} s, "
+            f"fetch {sum(self.fetched.values()):.2f} s; weights {self.weights_bytes / 1e6:.0f} MB "
+            f"in {self.weights_seconds:.2f} s"
         )
 
 
@@ -71,6 +59,7 @@ def default_num_workers() -> int:
 
 
 def program_path(programs_dir: Path, key: ProgramKey) -> Path:
+    """Where an exported directory keeps a program."""
     return programs_dir / f"{key.name}.pt2"
 
 
@@ -79,64 +68,73 @@ def missing_programs(config: RuntimeConfig, programs_dir: Path) -> list[ProgramK
     return [k for k in all_program_keys(config) if not program_path(programs_dir, k).is_file()]
 
 
-def compile_missing_programs(
+def ensure_programs(
     arch: ModelArch,
     config: RuntimeConfig,
-    programs_dir: Path,
+    report: LoadReport,
     *,
+    cache: ProgramCache | None = None,
+    allow_compile: bool = True,
     num_workers: int | None = None,
     show_progress: bool = True,
-    on_compiled: Callable[[str, float], None] | None = None,
-) -> dict[str, float]:
-    """Compile every program `programs_dir` lacks; returns compile seconds per program name.
+    on_event: Callable[[str, str, float], None] | None = None,
+) -> dict[ProgramKey, Path]:
+    """Every program of `config` from the compile cache (local, remote) or compiled into it.
 
-    `on_compiled(name, seconds)` is called as each program finishes (for logs without a bar).
+    Fills `report.sources/compiled/fetched`; `on_event(name, source, seconds)` per program.
+    Raises CacheMissError when a program is missing and `allow_compile` is False.
     """
-    missing = [(k, program_path(programs_dir, k)) for k in missing_programs(config, programs_dir)]
-    if not missing:
-        return {}
     from tqdm import tqdm
 
-    compiled: dict[str, float] = {}
-    bar = tqdm(total=len(missing), desc="compiling programs", disable=not show_progress)
+    cache = cache or ProgramCache(CacheSettings.from_env())
+    bars: list[tqdm] = []
 
-    def on_done(key: ProgramKey, seconds: float) -> None:
-        compiled[key.name] = seconds
-        logger.info("compiled %s in %.1f s", key.name, seconds)
-        if on_compiled is not None:
-            on_compiled(key.name, seconds)
-        bar.update()
+    def compile_fn(jobs, on_done) -> None:
+        bars.append(tqdm(desc="compiling programs", total=len(jobs), disable=not show_progress))
+
+        def done(key: ProgramKey, seconds: float) -> None:
+            on_done(key, seconds)
+            bars[-1].update()
+
+        compile_programs(
+            jobs, arch, config, num_workers=num_workers or default_num_workers(), on_done=done
+        )
+
+    def event(name: str, source: str, seconds: float) -> None:
+        report.sources[name] = source
+        if source == "compiled":
+            report.compiled[name] = seconds
+        elif source == "remote":
+            report.fetched[name] = seconds
+        if on_event is not None:
+            on_event(name, source, seconds)
 
     try:
-        compile_programs(
-            missing,
-            arch,
-            config,
-            num_workers=num_workers or default_num_workers(),
-            on_done=on_done,
+        outcome = cache.ensure(
+            arch, config, compile_fn=compile_fn if allow_compile else None, on_event=event
         )
     finally:
-        bar.close()
-    return compiled
+        for bar in bars:
+            bar.close()
+    return outcome.paths
 
 
 def load_programs(
-    arch: ModelArch, config: RuntimeConfig, programs_dir: Path | None, report: LoadReport
+    arch: ModelArch,
+    config: RuntimeConfig,
+    program_paths: dict[ProgramKey, Path] | None,
+    report: LoadReport,
 ) -> dict[ProgramKey, Program]:
-    """Every program of `config`: eager modules, or compiled packages read from `programs_dir`."""
+    """Every program of `config`: eager modules, or the compiled packages at `program_paths`."""
     keys = all_program_keys(config)
     if config.backend == "eager":
         return {key: eager_program(key, arch, config) for key in keys}
-    assert programs_dir is not None, "the inductor backend loads programs from a directory"
-    missing = [k.name for k in missing_programs(config, programs_dir)]
-    if missing:
-        raise FileNotFoundError(f"{programs_dir} lacks compiled programs: {', '.join(missing)}")
+    assert program_paths is not None, "the inductor backend loads compiled programs"
     programs = {}
     for key in keys:
         start = time.perf_counter()
-        programs[key] = load_program(program_path(programs_dir, key))
-        if key.name not in report.compiled:
-            report.loaded[key.name] = time.perf_counter() - start
+        programs[key] = load_program(program_paths[key])
+        report.loaded[key.name] = time.perf_counter() - start
     return programs
 
 
@@ -152,20 +150,25 @@ def load_model(
     model_dir: str | Path,
     config: RuntimeConfig,
     *,
-    programs_dir: Path | None = None,
+    cache: ProgramCache | None = None,
     num_workers: int | None = None,
     show_progress: bool = True,
 ) -> tuple[CompiledModel, LoadReport]:
-    """Load weights and programs (compiling missing ones) into a ready CompiledModel."""
+    """Load weights and programs (from the compile cache, compiling missing ones)."""
     arch = load_arch(model_dir)
     check_fits(arch, config)
     report = LoadReport()
+    paths = None
     if config.backend == "inductor":
-        programs_dir = programs_dir or default_programs_dir(arch, config)
-        report.compiled = compile_missing_programs(
-            arch, config, programs_dir, num_workers=num_workers, show_progress=show_progress
+        paths = ensure_programs(
+            arch,
+            config,
+            report,
+            cache=cache,
+            num_workers=num_workers,
+            show_progress=show_progress,
         )
-    programs = load_programs(arch, config, programs_dir, report)
+    programs = load_programs(arch, config, paths, report)
     weights = load_weights_timed(model_dir, arch, config, report)
     logger.info("model ready: %s", report.summary())
     return CompiledModel(arch, config, weights, programs), report

@@ -4,11 +4,16 @@ A step is all-prefill or all-decode, never mixed. The caller (our generate loop,
 scheduler through the plugin) decides what runs; this class pads it to a bucket, runs the layer
 program once per layer (writing each layer's new K/V through the slot mapping) and samples in the
 head program.
+
+A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
+`tapped()` holds it; without one the step pays a single `is None` test per layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +34,23 @@ from vllm_aot.runtime.inputs import (
 from vllm_aot.runtime.kv_cache import KVCache
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
 from vllm_aot.runtime.sampler import SamplerOutput, SamplingParams
+
+
+class Tap(Protocol):
+    """Sees, and may replace, one program-boundary tensor of a step (accuracy tooling).
+
+    Called inside `CompiledModel.tapped()` with HF's module names: `model.embed_tokens` (after the
+    embedding), then per layer `model.layers.{i}.self_attn.key_states` and `.value_states` (the
+    layer program's new K/V, post-rotary, before they are written to the cache) and
+    `model.layers.{i}` (the layer's output hidden state). `tensor`'s first dimension is the step's
+    padded tokens; `positions` [real tokens] are the sequence positions of its first rows (the
+    rest is padding). Returns the tensor the step continues with (`tensor` itself, or a
+    replacement of the same shape and dtype).
+    """
+
+    def __call__(
+        self, *, name: str, tensor: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class CompiledModel:
@@ -55,6 +77,17 @@ class CompiledModel:
         self._layer_args = [flatten_weights(w) for w in weights.layers]
         self._inv_freq = arch.rope.inv_freq()
         self.num_executions: dict[ProgramKey, int] = dict.fromkeys(self.programs, 0)
+        self._tap: Tap | None = None
+
+    @contextmanager
+    def tapped(self, tap: Tap) -> Iterator[None]:
+        """Steps run inside the block call `tap` at program boundaries; taps do not nest."""
+        assert self._tap is None, "a tap is already installed; taps do not nest"
+        self._tap = tap
+        try:
+            yield
+        finally:
+            self._tap = None
 
     def _program(self, key: ProgramKey) -> Program:
         self.num_executions[key] += 1
@@ -67,14 +100,30 @@ class CompiledModel:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         context: tuple[torch.Tensor, torch.Tensor],
+        num_real: int,
     ) -> torch.Tensor:
-        """Embed, run every layer through the one program for this bucket; [tokens, hidden]."""
+        """Embed, run every layer through the one program for this bucket; [tokens, hidden].
+
+        The first `num_real` tokens are real, the rest padding (only taps need to know).
+        """
         program = self._program(key)
         hidden = F.embedding(token_ids, self.weights.embed)
+        tap, real_positions = self._tap, positions[:num_real]
+        if tap is not None:
+            hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
         cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
         for layer, weights in enumerate(self._layer_args):
             kv = (self.kv.k[layer], self.kv.v[layer])
             hidden, k_new, v_new = program(hidden, cos, sin, *kv, *context, *weights)
+            if tap is not None:
+                prefix = f"model.layers.{layer}"
+                k_new = tap(
+                    name=f"{prefix}.self_attn.key_states", tensor=k_new, positions=real_positions
+                )
+                v_new = tap(
+                    name=f"{prefix}.self_attn.value_states", tensor=v_new, positions=real_positions
+                )
+                hidden = tap(name=prefix, tensor=hidden, positions=real_positions)
             self.kv.write(layer, slot_mapping, k_new, v_new)
         return hidden
 
@@ -98,8 +147,9 @@ class CompiledModel:
         num_ctx_tokens = inputs.context_block_ids.shape[0] * self.config.block_size
         key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
         context = (inputs.context_block_ids, inputs.attn_mask)
+        num_real = sum(len(c.token_ids) for c in chunks)
         hidden = self._run_layers(
-            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
+            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, num_real
         )
         return hidden, inputs
 
@@ -115,7 +165,7 @@ class CompiledModel:
         key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_blocks * self.config.block_size)
         context = (inputs.block_tables, inputs.context_mask)
         return self._run_layers(
-            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context
+            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, len(rows)
         )
 
     def prefill(

@@ -91,7 +91,7 @@ def flatten_weights(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in weights if t is not None)
 
 
-def _unflatten_weights(layout: tuple[bool, ...], tensors: tuple[torch.Tensor, ...]):
+def unflatten_weights(layout: tuple[bool, ...], tensors: tuple[torch.Tensor, ...]):
     it = iter(tensors)
     return LayerWeights(*(next(it) if present else None for present in layout))
 
@@ -111,7 +111,7 @@ class Layer(nn.Module):
         self.attention = prefill_attention if is_prefill else decode_attention
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
-        w = _unflatten_weights(self.layout, weights)
+        w = unflatten_weights(self.layout, weights)
         q, k, v = project_qkv(hidden, w, self.dims, cos, sin)
         attn = self.attention(q, k, v, k_pool, v_pool, ctx_a, ctx_b)
         return finish_layer(hidden, attn, w, self.dims), k, v

@@ -1,4 +1,4 @@
-"""`vllm-aot`: models, export, validate, demo."""
+"""`vllm-aot`: models, export, serve, cache, validate, tensors, demo."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.serve import cache_cli
 
 
 def resolve_model(name: str | None) -> Path:
@@ -89,6 +90,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     model_dir = resolve_model(args.model)
+    if args.compile_only:
+        return _compile_only(model_dir, config, args)
+    if args.output is None:
+        raise SystemExit("error: export needs -o/--output DIR (or --compile-only)")
     report = export_model(
         model_dir, args.output, config, copy_weights=args.copy_weights, num_workers=args.workers
     )
@@ -96,6 +101,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(
         f"exported {model_dir.name} to {report.out_dir}: {len(compiled)} programs compiled "
         f"({sum(compiled.values()):.0f} s of compile), {report.total_seconds:.0f} s in total"
+    )
+    return 0
+
+
+def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
+    """Fill the compile cache (and the registry) for `config`; load no weights."""
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+    from vllm_aot.models.registry import load_arch
+    from vllm_aot.runtime.loader import LoadReport, check_fits, ensure_programs
+
+    arch = load_arch(model_dir)
+    check_fits(arch, config)
+    cache = ProgramCache(
+        CacheSettings.from_env(remote_url=args.remote_cache, upload=args.cache_upload or None)
+    )
+    report = LoadReport()
+    start = time.perf_counter()
+    ensure_programs(arch, config, report, cache=cache, num_workers=args.workers)
+    print(
+        f"{len(report.sources)} programs in {cache.local.root}: {report.count('local')} were "
+        f"cached, {report.count('remote')} fetched, {report.count('compiled')} compiled "
+        f"({sum(report.compiled.values()):.0f} s of compile) in {time.perf_counter() - start:.0f} s"
     )
     return 0
 
@@ -153,42 +180,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Teacher-forced logits and greedy output against HF transformers; exit 1 on failure."""
-    from rich.console import Console
-    from rich.table import Table
+    from vllm_aot.accuracy.cli import run_validate
 
-    from vllm_aot.accuracy.logits import greedy_match, teacher_forcing_sequences, validate
-    from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
-    from vllm_aot.accuracy.teacher_forcing import HFReference
-
-    console = Console()
     model_dir, model, report = _load(args)
-    console.print(f"model ready: {report.summary()}")
-    messages = CHAT_PROMPTS
-    if args.prompts:
-        messages = tuple(line.strip() for line in args.prompts.read_text().splitlines())
-        messages = tuple(m for m in messages if m)
-    prompts = chat_prompt_token_ids(model_dir, messages)
-    reference = HFReference(model_dir)
-    sequences = teacher_forcing_sequences(reference, prompts, args.num_tokens)
-    three_way = model.config.dtype != "float32"
-    result = validate(model_dir, model, sequences, three_way=three_way, reference=reference)
-    header, *rows = result.summary_rows()
-    title = f"teacher-forced logits, {model.config.dtype}" + (" (three-way)" if three_way else "")
-    table = Table(*header, title=title)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    console.print(f"argmax agreement: {result.greedy_agreement:.1%}")
-    passed = result.passed
-    if not three_way:
-        matches = greedy_match(model_dir, model, prompts, args.num_tokens, reference=reference)
-        num_match = sum(m.is_match for m in matches)
-        console.print(
-            f"greedy: first {args.num_tokens} tokens equal HF on {num_match}/{len(matches)}"
-        )
-        passed = passed and num_match == len(matches)
-    console.print("[bold green]PASSED" if passed else "[bold red]FAILED")
-    return 0 if passed else 1
+    print(f"model ready: {report.summary()}", flush=True)
+    return run_validate(
+        model_dir,
+        model,
+        prompts_file=args.prompts,
+        num_tokens=args.num_tokens,
+        tolerance_overrides=args.tolerance or (),
+        report_path=args.report,
+    )
+
+
+def cmd_tensors(args: argparse.Namespace) -> int:
+    """Tensor capture/compare and KV cache analysis against HF; exit 1 on a divergence."""
+    from vllm_aot.accuracy import cli as accuracy
+
+    if args.action == "compare":
+        return accuracy.run_compare(args.ours, args.reference, tolerance=args.rtol)
+    model_dir, model, report = _load(args)
+    print(f"model ready: {report.summary()}", flush=True)
+    common = dict(
+        prompt_index=args.prompt,
+        num_tokens=args.num_tokens,
+        prompts_file=args.prompts,
+        tolerance=args.rtol,
+    )
+    if args.action == "kv":
+        return accuracy.run_kv(model_dir, model, **common)
+    patterns, replace = args.pattern or (), args.replace or ()
+    return accuracy.run_capture(
+        model_dir, model, out_dir=args.out, patterns=patterns, replace=replace, **common
+    )
 
 
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
@@ -218,6 +243,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--proxy-health-interval", type=float, default=2.0, help="seconds")
 
 
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--remote-cache",
+        help="shared store of compiled programs: file:///dir or s3://bucket/prefix "
+        "(default: VLLM_AOT_REMOTE_CACHE)",
+    )
+    parser.add_argument(
+        "--cache-upload", action="store_true", help="upload what this process compiles"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-aot", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -230,9 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="compile a model into an artifact directory")
     p.add_argument("model", nargs="?", help=f"HF directory (default: {DEFAULT_MODEL_NAME})")
-    p.add_argument("-o", "--output", required=True, type=Path)
+    p.add_argument("-o", "--output", type=Path, help="artifact directory to write")
     p.add_argument("--copy-weights", action="store_true", help="make the directory self-contained")
     p.add_argument("--workers", type=int, default=None, help="parallel compile processes")
+    p.add_argument(
+        "--compile-only", action="store_true", help="only fill the compile cache (no -o needed)"
+    )
+    add_cache_args(p)
     add_config_args(p)
     p.set_defaults(func=cmd_export)
 
@@ -243,14 +283,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--require-cached", action="store_true", help="never compile; fail instead")
     add_serve_args(p)
+    add_cache_args(p)
     p.set_defaults(func=cmd_serve, passes_unknown=True)
+
+    cache_cli.add_parser(sub)
 
     p = sub.add_parser("validate", help="logit validation against HF transformers")
     p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
     p.add_argument("--prompts", type=Path, help="file with one user message per line")
     p.add_argument("--num-tokens", type=int, default=32, help="HF continuation to teacher-force")
+    p.add_argument(
+        "--tolerance",
+        action="append",
+        metavar="SLICE=RTOL[:ATOL]",
+        help="override a slice's tolerance, e.g. top5=0.02 or all=0.05:1e-5 (repeatable)",
+    )
+    p.add_argument("--report", type=Path, help="write an HTML report (table and plot) here")
     add_config_args(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("tensors", help="tensor capture/compare and KV cache analysis against HF")
+    actions = p.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("capture", "capture module outputs of ours and HF for one prompt, then compare"),
+        ("kv", "rebuild a prompt's K/V from the paged pool and compare with HF's cache"),
+    ):
+        a = actions.add_parser(action, help=text)
+        a.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
+        a.add_argument("--prompt", type=int, default=0, help="index of the prompt to feed")
+        a.add_argument("--prompts", type=Path, help="file with one user message per line")
+        a.add_argument("--num-tokens", type=int, default=32, help="HF continuation to feed")
+        a.add_argument("--rtol", type=float, default=None, help="relative L-inf tolerance")
+        if action == "capture":
+            a.add_argument("-o", "--out", type=Path, required=True, help="capture directory")
+            a.add_argument("--pattern", action="append", help="module names (fnmatch; repeatable)")
+            a.add_argument("--replace", action="append", help="run ours with HF's output here")
+        add_config_args(a, backend="eager")
+        a.set_defaults(func=cmd_tensors)
+    a = actions.add_parser("compare", help="compare two capture directories")
+    a.add_argument("ours", type=Path)
+    a.add_argument("reference", type=Path)
+    a.add_argument("--rtol", type=float, default=None, help="relative L-inf tolerance")
+    a.set_defaults(func=cmd_tensors)
 
     p = sub.add_parser("demo", help="chat completions through the runtime's generate loop")
     p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")

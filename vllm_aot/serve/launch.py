@@ -43,38 +43,60 @@ def server_command(
     return [*command, *chosen.vllm_args]
 
 
-def choose_from_args(args: argparse.Namespace, passthrough: list[str], model_dir: Path):
-    """The serve flags -> ChosenConfig (manifest read when the model is an exported dir)."""
+def choose_from_args(
+    args: argparse.Namespace, passthrough: list[str], model_dir: Path, cores_per_replica: int
+):
+    """The serve flags -> ChosenConfig: the exported dir's manifest, else flags, else the cache
+    registry's best match, else defaults."""
+    from vllm_aot.cache.program_cache import CacheSettings
     from vllm_aot.runtime.artifacts import is_artifact_dir, read_manifest
+    from vllm_aot.serve.selection import pick_from_registry
 
     manifest = read_manifest(model_dir) if is_artifact_dir(model_dir) else None
     options = {"backend": args.backend}
     if args.require_cached:
         options["require_cached"] = True
+    if args.remote_cache:
+        options["remote_cache"] = args.remote_cache
+    if args.cache_upload:
+        options["cache_upload"] = True
     flags = ShapeFlags(
         batch_size=args.batch_size,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+    pick = None
+    if manifest is None:
+        settings = CacheSettings.from_env(remote_url=args.remote_cache)
+        pick, why = pick_from_registry(
+            model_dir,
+            flags,
+            tuple(passthrough),
+            backend=args.backend,
+            cores_per_replica=cores_per_replica,
+            cache_settings=settings,
+        )
+        print(f"cache registry: {why}", flush=True)
     return choose_config(
         flags,
         passthrough=tuple(passthrough),
         manifest=manifest,
         artifact_dir=str(model_dir),
+        registry_choice=pick,
         additional_config=options,
     )
 
 
 def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
     try:
-        chosen = choose_from_args(args, passthrough, model_dir)
         cores = parse_core_list(args.cores) if args.cores else available_cores()
         groups = group_cores(
             cores,
             data_parallel_size=args.data_parallel_size,
             tensor_parallel_size=args.tensor_parallel_size,
         )
+        chosen = choose_from_args(args, passthrough, model_dir, len(groups[0]))
         proxy_config = ProxyConfig(
             host=args.host,
             port=args.port,
@@ -91,6 +113,7 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
     env = dict(os.environ)
     # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
     if args.data_parallel_size == 1:
         command = server_command(
             model_dir, host=args.host, port=args.port, chosen=chosen, served_name=served_name

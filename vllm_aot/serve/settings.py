@@ -2,8 +2,9 @@
 
 Each shape comes from, in order: an exported directory's manifest (fixes every shape; a flag
 that contradicts it is refused), the serve flags (or the same vLLM flag passed through), a
-configuration the compile-cache registry picked (`registry_choice`, wired in by issue 4),
-else the platform's defaults (nothing passed, so `AotOptions` decides as for plain vLLM).
+configuration the compile-cache registry picked (`registry_choice`: selected to agree with every
+flag given, it also brings its block size, chunk and bucket sets), else the platform's defaults
+(nothing passed, so `AotOptions` decides as for plain vLLM).
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ class ShapeFlags:
     max_model_len: int | None = None
     dtype: str | None = None
     tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class RegistryPick:
+    """A compiled configuration from the cache registry: its RuntimeConfig shape fields."""
+
+    runtime: dict[str, Any]
+    why: str = "compiled configuration in the cache registry"
+
+    @property
+    def extra_fields(self) -> dict[str, Any]:
+        """What `--additional-config` must carry besides the three shape flags."""
+        flagged = {key for _, key in _SHAPE_FLAGS.values()}
+        return {k: v for k, v in self.runtime.items() if k not in flagged}
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ def choose_config(
     passthrough: tuple[str, ...] = (),
     manifest: dict[str, Any] | None = None,
     artifact_dir: str | None = None,
-    registry_choice: ShapeFlags | None = None,
+    registry_choice: RegistryPick | None = None,
     additional_config: dict[str, Any] | None = None,
 ) -> ChosenConfig:
     """Decide every replica's shapes (see the module docstring); ValueError on contradictions.
@@ -138,9 +153,12 @@ def choose_config(
         return _from_manifest(manifest, artifact_dir, given, passthrough, config)
     shape_args: list[str] = []
     reasons: list[str] = []
-    for name, (vllm_flag, _) in _SHAPE_FLAGS.items():
+    if registry_choice is not None:
+        config = {**registry_choice.extra_fields, **config}
+        reasons.append(registry_choice.why)
+    for name, (vllm_flag, key) in _SHAPE_FLAGS.items():
         ours, theirs = given[name]
-        picked = getattr(registry_choice, name) if registry_choice else None
+        picked = registry_choice.runtime[key] if registry_choice else None
         if ours is not None:
             shape_args += [vllm_flag, str(ours)]
             reasons.append(f"{name} = {ours} (from --{name.replace('_', '-')})")

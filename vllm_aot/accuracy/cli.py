@@ -1,0 +1,206 @@
+"""The accuracy commands' bodies: `vllm-aot validate` and `vllm-aot tensors capture|compare|kv`.
+
+`serve/cli.py` declares the arguments and loads the model; these functions do the rest and
+return the exit code (0 pass, 1 fail), so CI can use them as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from vllm_aot.accuracy.logits import DEFAULT_TOLERANCES, Tolerance
+from vllm_aot.runtime.model import CompiledModel
+
+
+def parse_tolerances(
+    overrides: Sequence[str], base: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES
+) -> dict[int | None, Tolerance]:
+    """`SLICE=RTOL[:ATOL]` overrides (SLICE: `top5`, `5` or `all`) applied to `base`.
+
+    A slice not in `base` is added (its atol defaults to 1e-5). ValueError names the bad one.
+    """
+    tolerances = dict(base)
+    for text in overrides:
+        slice_text, sep, value = text.partition("=")
+        slice_text = slice_text.strip().lower().removeprefix("top").strip()
+        try:
+            if not sep:
+                raise ValueError
+            top_k = None if slice_text == "all" else int(slice_text)
+            rtol_text, _, atol_text = value.partition(":")
+            previous = tolerances.get(top_k, Tolerance(1e-5, 0.0))
+            atol = float(atol_text) if atol_text else previous.atol
+            tolerance = Tolerance(atol=atol, rtol=float(rtol_text))
+        except ValueError:
+            raise ValueError(
+                f"tolerance {text!r}: expected SLICE=RTOL[:ATOL], SLICE one of top5, 50, all"
+            ) from None
+        if (top_k is not None and top_k < 1) or tolerance.rtol < 0 or tolerance.atol < 0:
+            raise ValueError(f"tolerance {text!r}: k must be >= 1, tolerances >= 0")
+        tolerances[top_k] = tolerance
+    return tolerances
+
+
+def load_sequences(model_dir: Path, prompts_file: Path | None, reference, num_tokens: int):
+    """The chat prompts (or one user message per line of `prompts_file`), each followed by HF
+    fp32's greedy continuation of `num_tokens` tokens: (prompt ids, teacher-forced sequences)."""
+    from vllm_aot.accuracy.logits import teacher_forcing_sequences
+    from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
+
+    messages = CHAT_PROMPTS
+    if prompts_file is not None:
+        lines = (line.strip() for line in prompts_file.read_text().splitlines())
+        messages = tuple(m for m in lines if m)
+        if not messages:
+            raise SystemExit(f"error: {prompts_file} has no prompts")
+    prompts = chat_prompt_token_ids(model_dir, messages)
+    return prompts, teacher_forcing_sequences(reference, prompts, num_tokens)
+
+
+def _print_table(console, rows: Sequence[Sequence[str]], title: str) -> None:
+    from rich.table import Table
+
+    header, *body = rows
+    table = Table(*header, title=title)
+    for row in body:
+        table.add_row(*row)
+    console.print(table)
+
+
+def run_validate(
+    model_dir: Path,
+    model: CompiledModel,
+    *,
+    prompts_file: Path | None,
+    num_tokens: int,
+    tolerance_overrides: Sequence[str] = (),
+    report_path: Path | None = None,
+) -> int:
+    """Teacher-forced logits (three-way below fp32) and, in fp32, greedy output against HF."""
+    from rich.console import Console
+
+    from vllm_aot.accuracy.logits import greedy_match, validate
+    from vllm_aot.accuracy.teacher_forcing import HFReference
+
+    try:
+        tolerances = parse_tolerances(tolerance_overrides)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    console = Console()
+    reference = HFReference(model_dir)
+    prompts, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
+    dtype = model.config.dtype
+    three_way = dtype != "float32"
+    result = validate(
+        model_dir, model, sequences, three_way=three_way, tolerances=tolerances, reference=reference
+    )
+    title = f"teacher-forced logits, {dtype}" + (" (three-way)" if three_way else "")
+    _print_table(console, result.summary_rows(), title)
+    console.print(f"argmax agreement: {result.greedy_agreement:.1%}")
+    passed = result.passed
+    notes = [f"model {model_dir}, backend {model.config.backend}, {len(sequences)} prompts"]
+    if not three_way:
+        matches = greedy_match(model_dir, model, prompts, num_tokens, reference=reference)
+        num_match = sum(m.is_match for m in matches)
+        line = f"greedy: first {num_tokens} tokens equal HF on {num_match}/{len(matches)}"
+        console.print(line)
+        notes.append(line)
+        passed = passed and num_match == len(matches)
+    if report_path is not None:
+        from vllm_aot.accuracy.report import render_html
+
+        report_title = f"vllm-aot validation: {Path(model_dir).name}, {dtype}"
+        report_path.write_text(render_html(result, title=report_title, notes=notes))
+        console.print(f"report: {report_path}")
+    console.print("[bold green]PASSED" if passed else "[bold red]FAILED")
+    return 0 if passed else 1
+
+
+def run_capture(
+    model_dir: Path,
+    model: CompiledModel,
+    *,
+    out_dir: Path,
+    patterns: Sequence[str],
+    prompt_index: int,
+    num_tokens: int,
+    replace: Sequence[str] = (),
+    prompts_file: Path | None = None,
+    tolerance: float | None = None,
+) -> int:
+    """Capture ours and HF (in our dtype) for one teacher-forced prompt into out_dir/{ours,hf},
+    print the comparison; exit 1 when a module diverges."""
+    from vllm_aot.accuracy.capture import capture_hf, capture_ours, select
+    from vllm_aot.accuracy.teacher_forcing import HFReference
+
+    reference = HFReference(model_dir)
+    _, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
+    if not 0 <= prompt_index < len(sequences):
+        raise SystemExit(f"error: --prompt {prompt_index}: choose 0..{len(sequences) - 1}")
+    token_ids = sequences[prompt_index]
+    hf_patterns = [*patterns, *replace] if patterns else []  # no patterns: everything
+    hf = capture_hf(reference, token_ids, model.config.torch_dtype, hf_patterns)
+    try:
+        replacements = select(hf, replace)
+        ours = capture_ours(model, token_ids, patterns, replacements=replacements)
+    except (KeyError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    ours.save(out_dir / "ours")
+    hf.save(out_dir / "hf")
+    print(f"captured {len(ours.tensors)} tensors of ours, {len(hf.tensors)} of HF into {out_dir}")
+    return run_compare(out_dir / "ours", out_dir / "hf", tolerance=tolerance)
+
+
+def run_compare(ours_dir: Path, reference_dir: Path, *, tolerance: float | None = None) -> int:
+    """Compare two capture directories; exit 1 when a module diverges."""
+    from rich.console import Console
+
+    from vllm_aot.accuracy.capture import Capture
+    from vllm_aot.accuracy.compare import compare_captures
+
+    try:
+        comparison = compare_captures(
+            Capture.load(ours_dir), Capture.load(reference_dir), tolerance
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    console = Console()
+    _print_table(console, comparison.summary_rows(), f"{ours_dir} vs {reference_dir}")
+    if comparison.only_in_ours or comparison.only_in_reference:
+        one_sided = [*comparison.only_in_ours, *comparison.only_in_reference]
+        console.print(f"in one capture only (not compared): {', '.join(one_sided)}")
+    console.print(comparison.verdict())
+    return 0 if comparison.passed else 1
+
+
+def run_kv(
+    model_dir: Path,
+    model: CompiledModel,
+    *,
+    prompt_index: int,
+    num_tokens: int,
+    prompts_file: Path | None = None,
+    tolerance: float | None = None,
+) -> int:
+    """KV cache analysis of one teacher-forced prompt; exit 1 when a block is corrupted."""
+    from rich.console import Console
+
+    from vllm_aot.accuracy.kv_analysis import analyse_kv
+    from vllm_aot.accuracy.teacher_forcing import HFReference
+
+    reference = HFReference(model_dir)
+    _, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
+    if not 0 <= prompt_index < len(sequences):
+        raise SystemExit(f"error: --prompt {prompt_index}: choose 0..{len(sequences) - 1}")
+    report = analyse_kv(model, reference, sequences[prompt_index], tolerance=tolerance)
+    console = Console()
+    title = (
+        f"KV cache vs HF past_key_values ({report.num_tokens} tokens, blocks {report.block_table})"
+    )
+    _print_table(console, report.summary_rows(), title)
+    if report.passed:
+        console.print(f"no block beyond {report.tolerance:g}")
+    else:
+        console.print(f"corrupted blocks: {', '.join(map(str, report.corrupted_blocks))}")
+    return 0 if report.passed else 1

@@ -1,0 +1,1 @@
+"""The compile cache: content-addressed programs, a remote tier, a registry of configurations."""

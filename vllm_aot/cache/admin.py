@@ -1,0 +1,139 @@
+"""Cache housekeeping: status, cleanup and sync with the remote store (what `vllm-aot cache` runs).
+
+Each function returns plain data; the CLI prints it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_aot import paths
+from vllm_aot.cache.keys import cpu_target, versions
+from vllm_aot.cache.local import LocalCache
+from vllm_aot.cache.program_cache import ProgramCache
+from vllm_aot.cache.remote import fetch_entry, push_entry, remote_keys
+
+
+@dataclass(frozen=True)
+class LockState:
+    key: str
+    held: bool
+    owner: str  # "pid N on HOST (for S s)" or "unknown"
+
+
+@dataclass
+class CacheStatus:
+    root: Path
+    num_entries: int = 0
+    total_bytes: int = 0
+    versions: Counter = field(default_factory=Counter)  # "torch X, vllm-aot Y, target Z" -> n
+    failed: list[dict] = field(default_factory=list)
+    locks: list[LockState] = field(default_factory=list)
+    abandoned: list[Path] = field(default_factory=list)
+    configurations: int = 0
+    legacy: list[Path] = field(default_factory=list)  # caches of an older vllm-aot layout
+    remote_url: str | None = None
+    remote_entries: int | None = None
+
+
+def _entry_version(meta: dict) -> str:
+    fp = meta.get("fingerprint", {})
+    return f"torch {fp.get('torch')}, vllm-aot {fp.get('vllm_aot')}, target {fp.get('target')}"
+
+
+def current_version() -> str:
+    v = versions()
+    return f"torch {v['torch']}, vllm-aot {v['vllm_aot']}, target {cpu_target()}"
+
+
+def legacy_dirs() -> list[Path]:
+    old = paths.cache_root() / "programs"  # vllm-aot 0.1 before the content-addressed cache
+    return [old] if old.is_dir() else []
+
+
+def status(cache: ProgramCache) -> CacheStatus:
+    local = cache.local
+    result = CacheStatus(root=local.root, remote_url=cache.remote.url if cache.remote else None)
+    for key in local.entry_keys():
+        meta = local.read_meta(key) or {}
+        result.num_entries += 1
+        result.total_bytes += int(meta.get("bytes", 0))
+        result.versions[_entry_version(meta)] += 1
+    result.failed = local.failures()
+    if local.locks_dir.is_dir():
+        for path in sorted(local.locks_dir.glob("*.lock")):
+            owner = local.lock_owner(path.stem)
+            described = owner.describe() if owner else "unknown"
+            result.locks.append(LockState(path.stem, local.is_locked(path.stem), described))
+    result.abandoned = local.abandoned_staging()
+    result.configurations = len(cache.registry.local_entries())
+    result.legacy = legacy_dirs()
+    if cache.remote is not None:
+        result.remote_entries = len(remote_keys(cache.remote))
+    return result
+
+
+def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
+    """Remove failed records, stale locks, abandoned staging directories, entries and registry
+    records of other versions/targets, and legacy caches. Returns what it removed (or would)."""
+    local: LocalCache = cache.local
+    here = current_version()
+    doomed: list[tuple[str, Path]] = []
+    for failure in local.failures():
+        record = local.failed_dir / f"{failure['key']}.json"
+        doomed.append((f"failed record of {failure['name']}", record))
+    if local.locks_dir.is_dir():
+        for path in sorted(local.locks_dir.glob("*.lock")):
+            if not local.is_locked(path.stem):
+                doomed.append((f"stale lock {path.stem}", path))
+                doomed.append((f"stale lock owner {path.stem}", path.with_suffix(".owner")))
+    doomed += [(f"abandoned staging {p.name}", p) for p in local.abandoned_staging()]
+    for key in local.entry_keys():
+        meta = local.read_meta(key)
+        if meta is None or _entry_version(meta) != here:
+            version = _entry_version(meta) if meta else "unreadable"
+            doomed.append((f"entry {key} ({version})", local.entry_dir(key)))
+    for entry in cache.registry.local_entries():
+        if entry.incompatibility:
+            path = cache.registry.root / entry.arch_digest / f"{entry.name}.json"
+            doomed.append((f"configuration {entry.name} ({entry.incompatibility})", path))
+    doomed += [(f"legacy cache {p}", p) for p in legacy_dirs()]
+    done = []
+    for what, path in doomed:
+        if not path.exists():
+            continue
+        done.append(what)
+        if dry_run:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return done
+
+
+def sync(cache: ProgramCache, *, push: bool, pull: bool) -> tuple[int, int]:
+    """Copy entries and registry records the other side lacks; returns (pushed, pulled)."""
+    if cache.remote is None:
+        raise ValueError(
+            "no remote store configured: pass --remote URL or set VLLM_AOT_REMOTE_CACHE"
+        )
+    remote = remote_keys(cache.remote)
+    local = set(cache.local.entry_keys())
+    pushed = pulled = 0
+    if push:
+        for key in sorted(local - remote):
+            if cache.local.lookup(key) is not None:
+                push_entry(cache.remote, key, cache.local)
+                pushed += 1
+        cache.registry.push_all()
+    if pull:
+        for key in sorted(remote - local):
+            with cache.local.lock(key, timeout=cache.settings.lock_timeout):
+                if fetch_entry(cache.remote, key, cache.local) is not None:
+                    pulled += 1
+        cache.registry.pull_all()
+    return pushed, pulled
