@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true", help="only our three starts")
     parser.add_argument("--keep", type=Path, help="keep caches and logs here (default: temp)")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=120)
     model = prepare_default_model()
     work = args.keep or Path(tempfile.mkdtemp(prefix="vllm-aot-cache-bench-"))
     work.mkdir(parents=True, exist_ok=True)

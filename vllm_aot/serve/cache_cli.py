@@ -106,4 +106,4 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--direction", choices=["push", "pull", "both"], default="both", help="sync: which way"
     )
-    p.set_defaults(func=lambda args: ACTIONS[args.action](args, Console()))
+    p.set_defaults(func=lambda args: ACTIONS[args.action](args, Console(width=140)))
