@@ -22,6 +22,7 @@ from vllm_aot.accuracy.teacher_forcing import HFReference, our_logits
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.loader import load_model
+from vllm_aot.runtime.programs import ProgramKind
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -80,17 +81,27 @@ def test_three_way_rule_forgives_what_hf_in_the_same_dtype_also_does():
 
 
 @pytest.fixture(scope="module")
-def tiny_sequences(tiny_model_dirs) -> list[list[int]]:
+def tiny_prompts(tiny_model_dirs) -> list[list[int]]:
+    """The 8 chat prompts (35-46 tokens: one chunk of tiny_config's 64-token prefill bucket)."""
+    return chat_prompt_token_ids(tiny_model_dirs("llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny_prompt_lengths(tiny_prompts) -> list[int]:
+    return [len(p) for p in tiny_prompts]
+
+
+@pytest.fixture(scope="module")
+def tiny_sequences(tiny_model_dirs, tiny_prompts) -> list[list[int]]:
     """The 8 chat prompts, each followed by the tiny llama's own 32 greedy tokens (HF, fp32).
 
     Every tiny family shares the SmolLM2 tokenizer, so these sequences serve all of them. They
-    are 67-78 tokens long: longer than tiny_config's 64-token prefill bucket, so `our_logits`
-    feeds them in two chunks, the second reading the first from the paged cache.
+    are 67-78 tokens long: longer than tiny_config's 64-token prefill bucket, so prefilling a
+    whole sequence (`our_logits`) takes two chunks, the second reading the first from the paged
+    cache.
     """
-    model_dir = tiny_model_dirs("llama")
-    reference = HFReference(model_dir)
-    prompts = chat_prompt_token_ids(model_dir)
-    return teacher_forcing_sequences(reference, prompts, num_tokens=32)
+    reference = HFReference(tiny_model_dirs("llama"))
+    return teacher_forcing_sequences(reference, tiny_prompts, num_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -125,23 +136,86 @@ def test_tiny_sequences_are_fed_in_several_chunks(tiny_sequences):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fp32_logits_match_hf(family, tiny_model_dirs, tiny_references, tiny_sequences):
+def test_fp32_logits_match_hf(
+    family, tiny_model_dirs, tiny_references, tiny_sequences, tiny_prompt_lengths
+):
     model_dir = tiny_model_dirs(family)
     model, _ = load_model(model_dir, tiny_config(), show_progress=False)
     report = validate(
-        model_dir, model, tiny_sequences, three_way=False, reference=tiny_references(family)
+        model_dir,
+        model,
+        tiny_sequences,
+        prompt_lengths=tiny_prompt_lengths,
+        three_way=False,
+        reference=tiny_references(family),
     )
     assert report.passed, _failure_message(report)
     assert report.greedy_agreement == 1.0, _failure_message(report)
 
 
+def test_whole_sequences_prefilled_match_hf(tiny_model_dirs, tiny_references, tiny_sequences):
+    model_dir = tiny_model_dirs("llama")
+    model, _ = load_model(model_dir, tiny_config(), show_progress=False)
+    report = validate(
+        model_dir,
+        model,
+        tiny_sequences,
+        prompt_lengths=None,
+        three_way=False,
+        reference=tiny_references("llama"),
+    )
+    assert report.passed, _failure_message(report)
+    steps = {key.kind: 0 for key in model.num_executions}
+    for key, n in model.num_executions.items():
+        steps[key.kind] += n
+    # Two chunks per sequence, the second reading the first from the cache; no decode step.
+    assert steps[ProgramKind.PREFILL] == 2 * len(tiny_sequences)
+    assert steps[ProgramKind.DECODE] == 0
+
+
+def test_continuation_logits_come_from_decode_programs(
+    tiny_model_dirs, tiny_references, tiny_sequences, tiny_prompt_lengths
+):
+    model_dir = tiny_model_dirs("llama")
+    config = tiny_config()
+    model, _ = load_model(model_dir, config, show_progress=False)
+    report = validate(
+        model_dir,
+        model,
+        tiny_sequences,
+        prompt_lengths=tiny_prompt_lengths,
+        three_way=False,
+        reference=tiny_references("llama"),
+    )
+    assert report.passed, _failure_message(report)
+    assert report.greedy_agreement == 1.0, _failure_message(report)
+    steps = {key: n for key, n in model.num_executions.items() if n and key.is_layer}
+    prefill_steps = sum(n for key, n in steps.items() if key.kind is ProgramKind.PREFILL)
+    decode_steps = {key.size: n for key, n in steps.items() if key.kind is ProgramKind.DECODE}
+    # One prefill chunk per prompt and nothing more: the continuations went through decode.
+    assert prefill_steps == len(tiny_sequences)
+    # 8 sequences x 32 tokens, at most 4 rows a step; sequences join one per step and leave
+    # after their 32nd token, so every batch bucket runs, 4 with 3 real rows and a padded one.
+    assert sum(decode_steps.values()) >= len(tiny_sequences) * 32 / config.max_num_seqs
+    assert sorted(decode_steps) == list(config.decode_batch_buckets) == [1, 2, 4]
+    # Teacher-forced decode gives the logits prefill gives, position for position (fp32).
+    prefilled = our_logits(model, tiny_sequences[0])
+    decoded = our_logits(model, tiny_sequences[0], num_prompt_tokens=tiny_prompt_lengths[0])
+    torch.testing.assert_close(decoded, prefilled, rtol=0, atol=1e-4)
+
+
 def test_bf16_is_no_further_from_fp32_than_hf_bf16(
-    tiny_model_dirs, tiny_references, tiny_sequences
+    tiny_model_dirs, tiny_references, tiny_sequences, tiny_prompt_lengths
 ):
     model_dir = tiny_model_dirs("llama")
     model, _ = load_model(model_dir, tiny_config(dtype="bfloat16"), show_progress=False)
     report = validate(
-        model_dir, model, tiny_sequences, three_way=True, reference=tiny_references("llama")
+        model_dir,
+        model,
+        tiny_sequences,
+        prompt_lengths=tiny_prompt_lengths,
+        three_way=True,
+        reference=tiny_references("llama"),
     )
     assert report.is_three_way
     assert report.passed, _failure_message(report)
@@ -160,13 +234,20 @@ def test_greedy_generation_matches_hf(tiny_model_dirs, tiny_references):
         assert result.is_match, f"{prompt!r}: diverges at token {result.num_matching}"
 
 
-def test_a_corrupted_layer_fails_validation(tiny_model_dirs, tiny_references, tiny_sequences):
+def test_a_corrupted_layer_fails_validation(
+    tiny_model_dirs, tiny_references, tiny_sequences, tiny_prompt_lengths
+):
     model_dir = tiny_model_dirs("llama")
     model, _ = load_model(model_dir, tiny_config(), show_progress=False)
     # In place, so the flattened weight tuples the programs receive see it too.
     model.weights.layers[0].wo.mul_(1.05)
     report = validate(
-        model_dir, model, tiny_sequences[:2], three_way=False, reference=tiny_references("llama")
+        model_dir,
+        model,
+        tiny_sequences[:2],
+        prompt_lengths=tiny_prompt_lengths[:2],
+        three_way=False,
+        reference=tiny_references("llama"),
     )
     assert not report.passed
     assert not report.slice(5).passed
@@ -174,12 +255,19 @@ def test_a_corrupted_layer_fails_validation(tiny_model_dirs, tiny_references, ti
     assert any(row[-1] == "FAIL" for row in report.summary_rows()[1:])
 
 
-def test_a_corrupted_bf16_layer_fails_three_way(tiny_model_dirs, tiny_references, tiny_sequences):
+def test_a_corrupted_bf16_layer_fails_three_way(
+    tiny_model_dirs, tiny_references, tiny_sequences, tiny_prompt_lengths
+):
     model_dir = tiny_model_dirs("llama")
     model, _ = load_model(model_dir, tiny_config(dtype="bfloat16"), show_progress=False)
     model.weights.layers[0].wo.mul_(1.05)
     report = validate(
-        model_dir, model, tiny_sequences[:2], three_way=True, reference=tiny_references("llama")
+        model_dir,
+        model,
+        tiny_sequences[:2],
+        prompt_lengths=tiny_prompt_lengths[:2],
+        three_way=True,
+        reference=tiny_references("llama"),
     )
     # bf16 noise is forgiven only up to what HF's own bf16 shows; an error of ours is not.
     assert not report.passed, _failure_message(report)
@@ -192,6 +280,8 @@ def test_too_long_a_sequence_is_refused_by_name(tiny_model_dir):
     model, _ = load_model(tiny_model_dir, config, show_progress=False)
     with pytest.raises(ValueError, match="max_model_len"):
         our_logits(model, [1] * (config.max_model_len + 1))
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        our_logits(model, [1] * 8, num_prompt_tokens=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,10 +317,17 @@ def smollm_sequences(smollm_reference, smollm_prompts) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_smollm_fp32_logits_match_hf(default_model_dir, smollm_reference, smollm_sequences):
+def test_smollm_fp32_logits_match_hf(
+    default_model_dir, smollm_reference, smollm_prompts, smollm_sequences
+):
     model, _ = load_model(default_model_dir, _smollm_config("float32"), show_progress=False)
     report = validate(
-        default_model_dir, model, smollm_sequences, three_way=False, reference=smollm_reference
+        default_model_dir,
+        model,
+        smollm_sequences,
+        prompt_lengths=[len(p) for p in smollm_prompts],
+        three_way=False,
+        reference=smollm_reference,
     )
     assert report.passed, _failure_message(report)
     assert report.greedy_agreement == 1.0, _failure_message(report)
@@ -246,18 +343,23 @@ def test_smollm_fp32_greedy_matches_hf(default_model_dir, smollm_reference, smol
 
 @pytest.mark.slow
 def test_smollm_bf16_is_no_further_from_fp32_than_hf_bf16(
-    default_model_dir, smollm_reference, smollm_sequences
+    default_model_dir, smollm_reference, smollm_prompts, smollm_sequences
 ):
     model, _ = load_model(default_model_dir, _smollm_config("bfloat16"), show_progress=False)
     report = validate(
-        default_model_dir, model, smollm_sequences, three_way=True, reference=smollm_reference
+        default_model_dir,
+        model,
+        smollm_sequences,
+        prompt_lengths=[len(p) for p in smollm_prompts],
+        three_way=True,
+        reference=smollm_reference,
     )
     assert report.passed, _failure_message(report)
 
 
 @pytest.mark.slow
 def test_smollm_fp32_inductor_logits_match_hf(
-    default_model_dir, smollm_reference, smollm_sequences, tmp_path: Path
+    default_model_dir, smollm_reference, smollm_prompts, smollm_sequences, tmp_path: Path
 ):
     config = _smollm_config(
         "float32",
@@ -270,7 +372,12 @@ def test_smollm_fp32_inductor_logits_match_hf(
     model, load_report = load_model(default_model_dir, config, cache=cache, show_progress=False)
     assert load_report.compiled, "a fresh cache must compile its programs"
     report = validate(
-        default_model_dir, model, smollm_sequences, three_way=False, reference=smollm_reference
+        default_model_dir,
+        model,
+        smollm_sequences,
+        prompt_lengths=[len(p) for p in smollm_prompts],
+        three_way=False,
+        reference=smollm_reference,
     )
     assert report.passed, _failure_message(report)
     assert report.greedy_agreement == 1.0, _failure_message(report)

@@ -2,11 +2,13 @@
 
 The broken variants are the bugs the tools exist for, planted by monkeypatching (tests only):
 a flipped rotary half-rotation, and padding that writes into a live KV block instead of the
-dummy block 0. Both run on a tiny seeded model with the eager backend, in a few seconds.
+dummy block 0. Both run on a tiny seeded model with the eager backend, in a few seconds; both
+fail the teacher-forced logit check.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +63,15 @@ def reference(tiny_model_dirs) -> HFReference:
 
 
 @pytest.fixture(scope="module")
-def sequence(reference) -> list[int]:
-    """One chat prompt plus 32 HF greedy tokens: 67 tokens, fed in chunks of 64 and 3."""
-    prompt = chat_prompt_token_ids(reference.model_dir)[0]
+def prompt(reference) -> list[int]:
+    """One chat prompt, 35 tokens: one prefill chunk padded to tiny_config's 64-token bucket."""
+    return chat_prompt_token_ids(reference.model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def sequence(reference, prompt) -> list[int]:
+    """The prompt plus 32 HF greedy tokens: 67 tokens. Prefilled whole (capture, KV analysis)
+    in chunks of 64 and 3; validated as 35 prefilled and 32 decoded."""
     return prompt + reference.greedy(prompt, 32)
 
 
@@ -87,8 +95,15 @@ def test_tolerance_overrides_replace_and_add_slices():
             parse_tolerances([bad])
 
 
-def test_html_report_holds_the_table_and_the_plot(model, reference, sequence):
-    report = validate(reference.model_dir, model, [sequence], three_way=False, reference=reference)
+def test_html_report_holds_the_table_and_the_plot(model, reference, prompt, sequence):
+    report = validate(
+        reference.model_dir,
+        model,
+        [sequence],
+        prompt_lengths=[len(prompt)],
+        three_way=False,
+        reference=reference,
+    )
     page = render_html(report, title="tiny <llama>")
     assert "<table>" in page and "top 5" in page and ">PASS<" in page
     assert "tiny &lt;llama&gt;" in page
@@ -131,9 +146,16 @@ def test_capture_patterns_select_the_same_modules_on_both_sides(model, reference
 
 
 def test_flipped_rope_fails_validation_and_compare_names_the_first_keys(
-    flip_rope, model, reference, sequence
+    flip_rope, model, reference, prompt, sequence
 ):
-    report = validate(reference.model_dir, model, [sequence], three_way=False, reference=reference)
+    report = validate(
+        reference.model_dir,
+        model,
+        [sequence],
+        prompt_lengths=[len(prompt)],
+        three_way=False,
+        reference=reference,
+    )
     assert not report.passed
     comparison = compare_captures(
         capture_ours(model, sequence), capture_hf(reference, sequence, "float32")
@@ -191,6 +213,35 @@ def test_padding_into_a_live_block_is_flagged_by_kv_analysis(
     assert all(d.corrupted_blocks == (1,) for d in report.layers)
 
 
+def test_padding_into_a_live_block_fails_the_teacher_forced_logits(
+    pad_into_live_block, model, reference, prompt, sequence
+):
+    # The prompt's padded chunk overwrites position 0 (block 1) after every layer has read it,
+    # so the prompt's own logits are right; the decode steps after it read the damage.
+    decoded = validate(
+        reference.model_dir,
+        model,
+        [sequence],
+        prompt_lengths=[len(prompt)],
+        three_way=False,
+        reference=reference,
+    )
+    assert not decoded.passed
+    top5 = decoded.prompts[0].slice(5)
+    assert max(top5.position_ratios[: len(prompt)]) <= 1.0
+    assert min(top5.position_ratios[len(prompt) :]) > 1.0
+    # Prefilling the whole sequence instead hides it: its only padded chunk is its last.
+    prefilled = validate(
+        reference.model_dir,
+        model,
+        [sequence],
+        prompt_lengths=None,
+        three_way=False,
+        reference=reference,
+    )
+    assert prefilled.passed
+
+
 # --------------------------------------------------------------------------------------------
 # The commands
 
@@ -209,12 +260,16 @@ def test_validate_command_writes_a_report_and_fails_on_flipped_rope(
 
 
 def test_validate_command_fails_when_padding_writes_into_a_live_block(
-    pad_into_live_block, tiny_model_dirs
+    pad_into_live_block, tiny_model_dirs, capsys
 ):
-    # Teacher forcing feeds one sequence, whose only padded chunk is its last; the greedy check
-    # batches the prompts and decodes, so a pad written into a live block is read back.
     args = ["validate", str(tiny_model_dirs("llama")), *TINY_CLI_CONFIG, "--num-tokens=16"]
     assert main(args) == 1
+    out = " ".join(capsys.readouterr().out.split())  # undo the console's line wrapping
+    # The teacher-forced logits fail on their own (decode steps read the overwritten block), not
+    # only the greedy check after them.
+    table = out[out.index("teacher-forced logits") : out.index("argmax agreement")]
+    assert re.search(r"\bFAIL\b", table), out
+    assert "(decode programs)" in out and "decode_b4_c256" in out
 
 
 def test_tensors_commands_capture_compare_and_name_the_divergence(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vllm_aot.accuracy.logits import DEFAULT_TOLERANCES, Tolerance
 from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.programs import ProgramKey
 
 
 def parse_tolerances(
@@ -68,6 +69,27 @@ def _print_table(console, rows: Sequence[Sequence[str]], title: str) -> None:
     console.print(table)
 
 
+def _coverage(
+    prompts: Sequence[Sequence[int]],
+    sequences: Sequence[Sequence[int]],
+    runs_before: Mapping[ProgramKey, int],
+    runs_after: Mapping[ProgramKey, int],
+) -> str:
+    """Which positions came from which programs, and the layer programs a validation ran."""
+    num_prompt = sum(len(p) for p in prompts)
+    num_continuation = sum(len(s) for s in sequences) - num_prompt
+    ran = [key for key, count in runs_after.items() if count > runs_before.get(key, 0)]
+    programs = ", ".join(
+        f"{key.name} x{runs_after[key] - runs_before.get(key, 0)}"
+        for key in sorted(ran)
+        if key.is_layer
+    )
+    return (
+        f"positions: {num_prompt} prompt (prefill programs), {num_continuation} continuation "
+        f"(decode programs); layer programs run: {programs}"
+    )
+
+
 def run_validate(
     model_dir: Path,
     model: CompiledModel,
@@ -92,14 +114,24 @@ def run_validate(
     prompts, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
     dtype = model.config.dtype
     three_way = dtype != "float32"
+    runs_before = dict(model.num_executions)
     result = validate(
-        model_dir, model, sequences, three_way=three_way, tolerances=tolerances, reference=reference
+        model_dir,
+        model,
+        sequences,
+        prompt_lengths=[len(p) for p in prompts],
+        three_way=three_way,
+        tolerances=tolerances,
+        reference=reference,
     )
     title = f"teacher-forced logits, {dtype}" + (" (three-way)" if three_way else "")
     _print_table(console, result.summary_rows(), title)
     console.print(f"argmax agreement: {result.greedy_agreement:.1%}")
+    coverage = _coverage(prompts, sequences, runs_before, model.num_executions)
+    console.print(coverage)
     passed = result.passed
-    notes = [f"model {model_dir}, backend {model.config.backend}, {len(sequences)} prompts"]
+    backend = model.config.backend
+    notes = [f"model {model_dir}, backend {backend}, {len(sequences)} prompts", coverage]
     if not three_way:
         matches = greedy_match(model_dir, model, prompts, num_tokens, reference=reference)
         num_match = sum(m.is_match for m in matches)

@@ -2,8 +2,11 @@
 
 Teacher forcing: both models read the same token sequence (a chat prompt, usually followed by
 HF's own greedy continuation, so positions cover generated text too) and produce logits at every
-position. Ours go through the real serving path: `CompiledModel.prefill_logits`, chunk by chunk
-when the sequence is longer than the largest prefill bucket.
+position. Ours go through the real serving path, as serving produces them
+(`teacher_forcing.teacher_forced_logits`): prompt positions from prefill programs, chunk by chunk
+when the prompt is longer than the largest prefill bucket; continuation positions from decode
+programs, one token per step, the sequences sharing decode batches that they join and leave at
+different steps (so batch buckets above 1 with padded rows run too).
 
 Comparison, per position and per top-k slice: the slice "top k" is the k tokens with the largest
 *reference* logits at that position (`None` = the whole vocabulary). A slice passes at a position
@@ -49,7 +52,7 @@ import torch
 from vllm_aot.accuracy.teacher_forcing import (
     HFReference,
     TokenIds,
-    our_logits,
+    teacher_forced_logits,
 )
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.model import CompiledModel
@@ -300,28 +303,36 @@ def _mean(comparisons: Sequence[LogitComparison], index: int) -> float:
 def validate(
     model_dir: str | Path,
     model: CompiledModel,
-    prompts: Sequence[TokenIds],
+    sequences: Sequence[TokenIds],
     *,
+    prompt_lengths: Sequence[int] | None,
     three_way: bool,
     tolerances: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES,
     reference: HFReference | None = None,
 ) -> ValidationReport:
-    """Teacher-forced logits of `model` against HF on every prompt, aggregated per slice.
+    """Teacher-forced logits of `model` against HF on every sequence, aggregated per slice.
 
-    Two-way: the reference is HF in our model's dtype and a slice passes only if it is within
-    tolerance at every position. Three-way: the reference is HF in fp32 and HF in our dtype is
-    the expected deviation (rule in the module docstring). `reference` reuses already loaded HF
-    models of `model_dir`. `passed` is True only if every slice passes.
+    `prompt_lengths[i]` leading tokens of sequence i are fed through prefill programs and the
+    rest (the continuation) through decode programs, all sequences sharing decode batches
+    (`teacher_forced_logits`); None feeds whole sequences through prefill programs only, leaving
+    decode programs unchecked. Two-way: the reference is HF in our model's dtype and a slice
+    passes only if it is within tolerance at every position. Three-way: the reference is HF in
+    fp32 and HF in our dtype is the expected deviation (rule in the module docstring).
+    `reference` reuses already loaded HF models of `model_dir`. `passed` is True only if every
+    slice passes.
     """
-    if not prompts:
+    if not sequences:
         raise ValueError("no prompts to validate")
     reference = _reference_for(model_dir, reference)
+    if prompt_lengths is None:
+        prompt_lengths = [len(token_ids) for token_ids in sequences]
+    ours = teacher_forced_logits(model, sequences, prompt_lengths)
     dtype = model.config.torch_dtype
     baseline_dtype = torch.float32 if three_way else dtype
     target, expected = [], []
-    for token_ids in prompts:
+    for token_ids, our_logits in zip(sequences, ours, strict=True):
         baseline = reference.logits(token_ids, baseline_dtype)
-        target.append(compare_logits(our_logits(model, token_ids), baseline, tolerances))
+        target.append(compare_logits(our_logits, baseline, tolerances))
         if three_way:
             hf_served = reference.logits(token_ids, dtype)
             expected.append(compare_logits(hf_served, baseline, tolerances))
