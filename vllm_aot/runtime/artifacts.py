@@ -36,8 +36,6 @@ from vllm_aot.runtime.loader import (
     ensure_programs,
     load_programs,
     load_weights_timed,
-    missing_programs,
-    program_path,
 )
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
@@ -146,6 +144,16 @@ def _link_or_copy(source: Path, target: Path) -> None:
     except OSError:
         shutil.copyfile(source, staging)
     os.replace(staging, target)
+
+
+def program_path(programs_dir: Path, key: ProgramKey) -> Path:
+    """Where an exported directory keeps a program."""
+    return programs_dir / f"{key.name}.pt2"
+
+
+def missing_programs(config: RuntimeConfig, programs_dir: Path) -> list[ProgramKey]:
+    """Programs of `config` with no compiled package in `programs_dir`."""
+    return [k for k in all_program_keys(config) if not program_path(programs_dir, k).is_file()]
 
 
 def artifact_program_paths(artifact_dir: Path, config: RuntimeConfig) -> dict[ProgramKey, Path]:

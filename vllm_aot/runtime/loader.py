@@ -58,16 +58,6 @@ def default_num_workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 8))
 
 
-def program_path(programs_dir: Path, key: ProgramKey) -> Path:
-    """Where an exported directory keeps a program."""
-    return programs_dir / f"{key.name}.pt2"
-
-
-def missing_programs(config: RuntimeConfig, programs_dir: Path) -> list[ProgramKey]:
-    """Programs of `config` with no compiled package in `programs_dir`."""
-    return [k for k in all_program_keys(config) if not program_path(programs_dir, k).is_file()]
-
-
 def ensure_programs(
     arch: ModelArch,
     config: RuntimeConfig,
