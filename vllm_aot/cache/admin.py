@@ -63,11 +63,10 @@ def status(cache: ProgramCache) -> CacheStatus:
         result.total_bytes += int(meta.get("bytes", 0))
         result.versions[_entry_version(meta)] += 1
     result.failed = local.failures()
-    if local.locks_dir.is_dir():
-        for path in sorted(local.locks_dir.glob("*.lock")):
-            owner = local.lock_owner(path.stem)
-            described = owner.describe() if owner else "unknown"
-            result.locks.append(LockState(path.stem, local.is_locked(path.stem), described))
+    for key in local.lock_keys():
+        owner = local.lock_owner(key)
+        described = owner.describe() if owner else "unknown"
+        result.locks.append(LockState(key, local.is_locked(key), described))
     result.abandoned = local.abandoned_staging()
     result.configurations = len(cache.registry.local_entries())
     result.legacy = legacy_dirs()
@@ -85,11 +84,11 @@ def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
     for failure in local.failures():
         record = local.failed_dir / f"{failure['key']}.json"
         doomed.append((f"failed record of {failure['name']}", record))
-    if local.locks_dir.is_dir():
-        for path in sorted(local.locks_dir.glob("*.lock")):
-            if not local.is_locked(path.stem):
-                doomed.append((f"stale lock {path.stem}", path))
-                doomed.append((f"stale lock owner {path.stem}", path.with_suffix(".owner")))
+    for key in local.lock_keys():
+        if not local.is_locked(key):
+            path = local.lock_path(key)
+            doomed.append((f"stale lock {key}", path))
+            doomed.append((f"stale lock owner {key}", path.with_suffix(".owner")))
     doomed += [(f"abandoned staging {p.name}", p) for p in local.abandoned_staging()]
     for key in local.entry_keys():
         meta = local.read_meta(key)

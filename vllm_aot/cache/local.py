@@ -189,6 +189,12 @@ class LocalCache:
     def lock_path(self, key: str) -> Path:
         return self.locks_dir / f"{key}.lock"
 
+    def lock_keys(self) -> list[str]:
+        """Keys with a lock file (held now or left behind)."""
+        return (
+            sorted(p.stem for p in self.locks_dir.glob("*.lock")) if self.locks_dir.is_dir() else []
+        )
+
     def lock_owner(self, key: str) -> LockOwner | None:
         try:
             return LockOwner(**json.loads(self.lock_path(key).with_suffix(".owner").read_text()))

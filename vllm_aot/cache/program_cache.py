@@ -128,7 +128,8 @@ class ProgramCache:
                     len(pending),
                 )
         entry = CompiledConfiguration.build(arch, config, {pk.name: k for pk, k in keys.items()})
-        self.registry.record(entry, push=self.settings.upload)
+        if not self.registry.has(entry):  # a warm start writes (and uploads) nothing
+            self.registry.record(entry, push=self.settings.upload)
         return outcome
 
     def _lock_all(self, pending, keys, wait: float):

@@ -65,9 +65,6 @@ class CompiledConfiguration:
         fields = (self.runtime, self.tensor_parallel_size, self.target, self.torch, self.vllm_aot)
         return digest(fields, 16)
 
-    def runtime_config(self, backend: str = "inductor") -> RuntimeConfig:
-        return RuntimeConfig.from_dict({**self.runtime, "backend": backend})
-
     def value(self, name: str) -> Any:
         return self.tensor_parallel_size if name == "tensor_parallel_size" else self.runtime[name]
 
@@ -93,6 +90,10 @@ class Registry:
 
     def _object(self, entry: CompiledConfiguration) -> str:
         return f"registry/{entry.arch_digest}/{entry.name}.json"
+
+    def has(self, entry: CompiledConfiguration) -> bool:
+        """Whether the local registry already records `entry`'s configuration."""
+        return (self.cache_root / self._object(entry)).is_file()
 
     def record(self, entry: CompiledConfiguration, *, push: bool = False) -> None:
         path = self.cache_root / self._object(entry)

@@ -61,8 +61,7 @@ class AotWorker(WorkerBase):
         report = LoadReport()
         paths = None
         if runtime.backend == "inductor" and options.artifact_dir:
-            paths = artifact_program_paths(options.artifact_dir, runtime)
-            report.sources = {key.name: "artifact" for key in paths}
+            paths = artifact_program_paths(options.artifact_dir, runtime, report)
         elif runtime.backend == "inductor":
             paths = ensure_programs(
                 self.arch,

@@ -156,13 +156,19 @@ def missing_programs(config: RuntimeConfig, programs_dir: Path) -> list[ProgramK
     return [k for k in all_program_keys(config) if not program_path(programs_dir, k).is_file()]
 
 
-def artifact_program_paths(artifact_dir: Path, config: RuntimeConfig) -> dict[ProgramKey, Path]:
-    """The exported programs of `config`; FileNotFoundError naming any that are missing."""
+def artifact_program_paths(
+    artifact_dir: Path, config: RuntimeConfig, report: LoadReport
+) -> dict[ProgramKey, Path]:
+    """The exported programs of `config`, recorded in `report`; FileNotFoundError naming any
+    that are missing."""
     programs_dir = Path(artifact_dir) / "programs"
     missing = [k.name for k in missing_programs(config, programs_dir)]
     if missing:
         raise FileNotFoundError(f"{programs_dir} lacks compiled programs: {', '.join(missing)}")
-    return {key: program_path(programs_dir, key) for key in all_program_keys(config)}
+    paths = {key: program_path(programs_dir, key) for key in all_program_keys(config)}
+    for key in paths:
+        report.record(key.name, "artifact")
+    return paths
 
 
 def _check_compatible(manifest: dict[str, Any], artifact_dir: Path) -> None:
@@ -213,8 +219,7 @@ def load_artifact(
         )
     arch = load_arch(artifact_dir)
     report = LoadReport()
-    paths = artifact_program_paths(artifact_dir, config)
-    report.sources = {key.name: "artifact" for key in paths}
+    paths = artifact_program_paths(artifact_dir, config, report)
     programs = load_programs(arch, config, paths, report)
     weights = load_weights_timed(weights_path, arch, config, report)
     return CompiledModel(arch, config, weights, programs), report

@@ -8,6 +8,7 @@ the parent turns into progress. A failing child's stderr is raised in the parent
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vllm_aot.models.config import ModelArch, RopeSpec
+from vllm_aot.processes import parent_death_signal
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind
 
@@ -35,16 +37,6 @@ def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: 
     ) as handle:
         json.dump(payload, handle)
     return Path(handle.name)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the thread that started it dies (Linux), so a
-    killed parent leaves no compiler running; its half-built entries stay invisible."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def run_workers(
@@ -71,7 +63,9 @@ def run_workers(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                preexec_fn=_die_with_parent,
+                # Killed with the thread that started it: a killed parent leaves no compiler
+                # running, and its half-built entries stay invisible.
+                preexec_fn=parent_death_signal(signal.SIGKILL),
             )
             stderr_lines: list[str] = []
             drain = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr))

@@ -26,14 +26,30 @@ class LoadReport:
     """What start-up did, per program: where it came from and how long it took."""
 
     sources: dict[str, str] = field(default_factory=dict)  # local | remote | compiled | artifact
-    compiled: dict[str, float] = field(default_factory=dict)  # compile seconds
-    fetched: dict[str, float] = field(default_factory=dict)  # remote fetch seconds
+    seconds: dict[str, float] = field(default_factory=dict)  # to look up, fetch or compile each
     loaded: dict[str, float] = field(default_factory=dict)  # load seconds (every program)
     weights_seconds: float = 0.0
     weights_bytes: int = 0
 
+    def record(self, name: str, source: str, seconds: float = 0.0) -> None:
+        self.sources[name] = source
+        self.seconds[name] = seconds
+
     def count(self, source: str) -> int:
         return sum(s == source for s in self.sources.values())
+
+    def _seconds_of(self, source: str) -> dict[str, float]:
+        return {n: self.seconds[n] for n, s in self.sources.items() if s == source}
+
+    @property
+    def compiled(self) -> dict[str, float]:
+        """Compile seconds of the programs this start compiled."""
+        return self._seconds_of("compiled")
+
+    @property
+    def fetched(self) -> dict[str, float]:
+        """Fetch seconds of the programs taken from the remote store."""
+        return self._seconds_of("remote")
 
     def summary(self) -> str:
         origin = ", ".join(
@@ -71,7 +87,7 @@ def ensure_programs(
 ) -> dict[ProgramKey, Path]:
     """Every program of `config` from the compile cache (local, remote) or compiled into it.
 
-    Fills `report.sources/compiled/fetched`; `on_event(name, source, seconds)` per program.
+    Records each program in `report`; `on_event(name, source, seconds)` per program.
     Raises CacheMissError when a program is missing and `allow_compile` is False.
     """
     from tqdm import tqdm
@@ -91,11 +107,7 @@ def ensure_programs(
         )
 
     def event(name: str, source: str, seconds: float) -> None:
-        report.sources[name] = source
-        if source == "compiled":
-            report.compiled[name] = seconds
-        elif source == "remote":
-            report.fetched[name] = seconds
+        report.record(name, source, seconds)
         if on_event is not None:
             on_event(name, source, seconds)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -29,10 +28,10 @@ from pathlib import Path
 
 import psutil
 
+from vllm_aot.processes import parent_death_signal
 from vllm_aot.serve.pool import ReplicaPool
 
 logger = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 STOP_GRACE_SECONDS = 10.0
 
 
@@ -74,11 +73,11 @@ def thread_env(base: dict[str, str], num_cores: int) -> dict[str, str]:
 
 
 def _pin_and_tie(cores: tuple[int, ...]) -> Callable[[], None]:
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: only syscalls after it
+    tie = parent_death_signal(signal.SIGTERM)
 
     def preexec() -> None:
         os.sched_setaffinity(0, cores)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        tie()
 
     return preexec
 
