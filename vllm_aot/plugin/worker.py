@@ -4,11 +4,13 @@ Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (pro
 from disk or compiled — and weights), `get_kv_cache_spec` (our pools' geometry),
 `determine_available_memory` (the KV budget), `initialize_from_config` (pool of vLLM's block
 count), `compile_or_warm_up_model` (compile/load report). Then `execute_model`/`sample_tokens`
-per step, delegated to AotModelRunner.
+per step, delegated to AotModelRunner. The stats file (metrics.py) gets the start-up counters in
+`load_model` and the step counters from a background thread from `initialize_from_config` on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -19,7 +21,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.models.registry import load_arch
-from vllm_aot.plugin.metrics import write_load_stats
+from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.runner import AotModelRunner
 from vllm_aot.runtime.artifacts import artifact_program_paths
@@ -52,6 +54,7 @@ class AotWorker(WorkerBase):
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         self.runner: AotModelRunner | None = None
+        self.stats_file: StatsFile | None = None
 
     def load_model(self, *args, **kwargs) -> None:
         options, runtime = self.options, self.options.runtime
@@ -77,7 +80,7 @@ class AotWorker(WorkerBase):
         self._report = report
         logger.info("vllm-aot: %s", report.summary())
         if options.stats_file:
-            write_load_stats(options.stats_file, report)
+            self.stats_file = StatsFile(options.stats_file, load_stats(report))
 
     def _weights_dir(self):
         if self.options.artifact_dir is None:
@@ -126,6 +129,8 @@ class AotWorker(WorkerBase):
             num_kv_blocks=kv_cache_config.num_blocks,
         )
         self.runner = AotModelRunner(self.model)
+        if self.stats_file is not None:
+            self.stats_file.follow(functools.partial(model_stats, self.model))
         logger.info("vllm-aot: KV pool of %d blocks", kv_cache_config.num_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -147,4 +152,6 @@ class AotWorker(WorkerBase):
         return None
 
     def shutdown(self) -> None:
+        if self.stats_file is not None:
+            self.stats_file.close()
         self.runner = None
