@@ -4,8 +4,9 @@ The worker runs in the engine-core process and vLLM's `/metrics` is served by th
 the worker keeps its counters in one small JSON file (path chosen by the front end, passed in our
 options; `StatsFile`) and a collector registered in the front end's registry reads it at each
 scrape (`StatsCollector`). The file is rewritten whole, staged then renamed: at start-up, then by
-a background thread at most once a second while the counters change, and once at shutdown, so a
-scrape lags the engine by up to a second.
+a background thread at most once a second while the counters change, and once when the worker
+shuts down (if vLLM lets it: its default `--shutdown-timeout 0` kills the engine, and the front
+end goes with it). A scrape lags the engine by up to a second.
 
 Start-up (compile cache):
 - `vllm_aot:cache_hits_total{tier="local|remote|artifact"}`, `vllm_aot:cache_misses_total`;

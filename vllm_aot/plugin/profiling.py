@@ -29,7 +29,8 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its ha
 
 
 class TraceWriter:
-    """`on_trace_ready`: the session as a Chrome/Perfetto trace `{name}.{ms}.pt.trace.json[.gz]`."""
+    """`on_trace_ready`: the session as a Chrome/Perfetto trace `{name}.{ns}.pt.trace.json[.gz]`
+    (torch's and vLLM's naming)."""
 
     def __init__(self, directory: str, *, use_gzip: bool, name: str) -> None:
         self.directory = Path(directory)
@@ -38,7 +39,7 @@ class TraceWriter:
 
     def __call__(self, session: profile) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        file_name = f"{self.name}.{time.time_ns() // 1_000_000}.pt.trace.json"
+        file_name = f"{self.name}.{time.time_ns()}.pt.trace.json"
         if self.use_gzip:
             file_name += ".gz"  # export_chrome_trace compresses by this suffix
         path = self.directory / file_name
