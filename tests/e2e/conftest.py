@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vllm_aot.testing import free_port, running_server, vllm_server_command
@@ -40,14 +42,34 @@ SERVER_ENV = {
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dirs, tmp_path_factory):
-    """Base URL of a running server; stopped (SIGTERM, then SIGKILL) after the session."""
+def profiler_dir(tmp_path_factory):
+    """Where `tiny_server` writes torch profiler traces (/start_profile, /stop_profile)."""
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="session")
+def tiny_server_log(tmp_path_factory):
+    """`tiny_server`'s output: the front end's and the engine's log lines."""
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dirs, tiny_server_log, profiler_dir):
+    """Base URL of a running server; stopped (SIGTERM, then SIGKILL) after the session.
+
+    The torch profiler is configured but idle until a test POSTs /start_profile.
+    """
     port = free_port()
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(profiler_dir)}
     command = vllm_server_command(
-        tiny_model_dirs("llama"), port, args=SERVER_ARGS, additional_config={"backend": "eager"}
+        tiny_model_dirs("llama"),
+        port,
+        args=[*SERVER_ARGS, "--profiler-config", json.dumps(profiler)],
+        additional_config={"backend": "eager"},
     )
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(command, port=port, env=SERVER_ENV, log_path=log, timeout=240) as url:
+    with running_server(
+        command, port=port, env=SERVER_ENV, log_path=tiny_server_log, timeout=240
+    ) as url:
         yield url
 
 

@@ -1,30 +1,58 @@
 """Prometheus metrics of our own, served on vLLM's `/metrics`.
 
 The worker runs in the engine-core process and vLLM's `/metrics` is served by the front end, so
-the worker writes its counters to a small JSON file (path chosen by the front end, passed in our
-options) and a collector registered in the front end's registry reads it at each scrape.
-Series: `vllm_aot:cache_hits_total{tier}`, `vllm_aot:cache_misses_total`,
-`vllm_aot:compile_seconds_total`, `vllm_aot:remote_fetch_seconds_total`,
-`vllm_aot:program_load_seconds_total`, `vllm_aot:weights_load_seconds_total`.
+the worker keeps its counters in one small JSON file (path chosen by the front end, passed in our
+options; `StatsFile`) and a collector registered in the front end's registry reads it at each
+scrape (`StatsCollector`). The file is rewritten whole, staged then renamed: at start-up, then by
+a background thread at most once a second while the counters change, and once when the worker
+shuts down (if vLLM lets it: its default `--shutdown-timeout 0` kills the engine, and the front
+end goes with it). A scrape lags the engine by up to a second.
+
+Start-up (compile cache):
+- `vllm_aot:cache_hits_total{tier="local|remote|artifact"}`, `vllm_aot:cache_misses_total`;
+- `vllm_aot:compile_seconds_total`, `vllm_aot:remote_fetch_seconds_total`,
+  `vllm_aot:program_load_seconds_total`, `vllm_aot:weights_load_seconds_total`.
+
+Steps (what the buckets cost; `kind` is `prefill` or `decode`, `slot` is `real` or `padding`):
+- `vllm_aot:program_executions_total{program,kind}`: runs per compiled program, zeros included
+  (an unused bucket shows as 0). A layer program counts once per layer pass (it runs once per
+  decoder layer within it); a head program (`greedy`/`sample` kinds) once per head run;
+- `vllm_aot:bucket_rows_total{kind,slot}`: sequences vs padded rows of the row bucket (prefill:
+  the head's row bucket; decode: the batch bucket);
+- `vllm_aot:bucket_tokens_total{kind,slot}`: tokens vs padded tokens of the token bucket
+  (decode: one token per row, so the batch bucket again);
+- `vllm_aot:context_tokens_total{kind,slot}`: cached tokens real rows attend to vs cached-token
+  slots read and masked (prefill: the context bucket `C` per pass; decode: `B * C` per pass);
+- `vllm_aot:padding_fraction{kind}`: histogram of each layer pass's padded share of its token
+  bucket (buckets 0, 0.1, 0.25, 0.5, 0.75, 1).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from vllm_aot.runtime.loader import LoadReport
+from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.step_stats import LAYER_KINDS
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
+
+WRITE_INTERVAL_S = 1.0
+_SLOTS = ("real", "padding")
 
 
-def write_load_stats(path: str | Path, report: LoadReport) -> None:
-    path = Path(path)
-    stats = {
+def load_stats(report: LoadReport) -> dict[str, Any]:
+    return {
         "hits": {tier: report.count(tier) for tier in ("local", "remote", "artifact")},
         "misses": report.count("compiled"),
         "compile_seconds": sum(report.compiled.values()),
@@ -32,9 +60,80 @@ def write_load_stats(path: str | Path, report: LoadReport) -> None:
         "load_seconds": sum(report.loaded.values()),
         "weights_seconds": report.weights_seconds,
     }
+
+
+def model_stats(model: CompiledModel) -> dict[str, Any]:
+    """The step counters of a running model, JSON-ready; safe to call from another thread
+    (the model's counter dicts never change keys)."""
+    executions = list(model.num_executions.items())
+    return {
+        "programs": [
+            {"program": key.name, "kind": key.kind.value, "executions": count}
+            for key, count in sorted(executions)
+        ],
+        "steps": model.step_stats.to_dict(),
+    }
+
+
+def _write_atomically(path: Path, stats: dict[str, Any]) -> None:
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     staging.write_text(json.dumps(stats))
     os.replace(staging, path)
+
+
+class StatsFile:
+    """The worker's counters on disk, for `StatsCollector` in the front end.
+
+    `__init__` writes the start-up counters at once. `follow(snapshot)` starts a daemon thread
+    that calls `snapshot()` (the step counters) every `interval` seconds and rewrites the file
+    when they changed; the stepping thread pays nothing. `close` stops the thread and writes a
+    last time. A failed write is logged and retried at the next interval.
+    """
+
+    def __init__(self, path: str | Path, load: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self._load = load
+        self._snapshot: Callable[[], dict[str, Any]] | None = None
+        self._written: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._write({})
+
+    def follow(
+        self, snapshot: Callable[[], dict[str, Any]], interval: float = WRITE_INTERVAL_S
+    ) -> None:
+        assert self._thread is None, "StatsFile already follows a model"
+        self._snapshot = snapshot
+        self._thread = threading.Thread(
+            target=self._run, args=(interval,), name="vllm-aot-stats", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop following and write the final counters (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._write_if_changed()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._write_if_changed()
+
+    def _write_if_changed(self) -> None:
+        assert self._snapshot is not None
+        steps = self._snapshot()
+        if steps != self._written:
+            self._write(steps)
+
+    def _write(self, steps: dict[str, Any]) -> None:
+        try:
+            _write_atomically(self.path, {"load": self._load, **steps})
+        except OSError as exc:
+            logger.warning("vllm-aot: could not write the stats file %s: %s", self.path, exc)
+            return
+        self._written = steps
 
 
 def read_stats(path: str | Path) -> dict[str, Any]:
@@ -44,31 +143,89 @@ def read_stats(path: str | Path) -> dict[str, Any]:
         return {}
 
 
-class LoadStatsCollector:
-    """Exposes the worker's start-up counters (zero until the worker has written them)."""
+def _slot_family(name: str, help_text: str, steps: dict, field: str) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"vllm_aot:{name}", help_text, labels=["kind", "slot"])
+    for kind in LAYER_KINDS:
+        counts = steps.get(kind, {}).get(field, {})
+        for slot in _SLOTS:
+            family.add_metric([kind, slot], counts.get(slot, 0))
+    return family
+
+
+def _padding_histogram(steps: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "vllm_aot:padding_fraction",
+        "Padded share of each layer pass's token bucket",
+        labels=["kind"],
+    )
+    for kind in LAYER_KINDS:
+        histogram = steps.get(kind, {}).get("padding_fraction")
+        if histogram is None:
+            continue
+        cumulative, buckets = 0, []
+        for bound, count in zip(histogram["bounds"], histogram["counts"], strict=True):
+            cumulative += count
+            buckets.append((str(bound), cumulative))
+        buckets.append(("+Inf", cumulative))
+        family.add_metric([kind], buckets, sum_value=histogram["sum"])
+    return family
+
+
+def _step_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    programs = CounterMetricFamily(
+        "vllm_aot:program_executions",
+        "Runs per compiled program: layer passes (each over every layer) or head runs",
+        labels=["program", "kind"],
+    )
+    for program in stats.get("programs", []):
+        programs.add_metric([program["program"], program["kind"]], program["executions"])
+    yield programs
+    steps = stats.get("steps", {})
+    yield _slot_family(
+        "bucket_rows", "Sequences in layer passes vs padded rows of the bucket", steps, "rows"
+    )
+    yield _slot_family(
+        "bucket_tokens", "Tokens in layer passes vs padded tokens of the bucket", steps, "tokens"
+    )
+    yield _slot_family(
+        "context_tokens",
+        "Cached tokens attended to vs cached-token slots read and masked by layer passes",
+        steps,
+        "context_tokens",
+    )
+    yield _padding_histogram(steps)
+
+
+def _load_families(load: dict[str, Any]) -> Iterator[Metric]:
+    hits = CounterMetricFamily(
+        "vllm_aot:cache_hits", "Compiled programs found in a cache tier", labels=["tier"]
+    )
+    for tier in ("local", "remote", "artifact"):
+        hits.add_metric([tier], load.get("hits", {}).get(tier, 0))
+    yield hits
+    for name, key, help_text in (
+        ("cache_misses", "misses", "Compiled programs not cached (compiled at start-up)"),
+        ("compile_seconds", "compile_seconds", "Seconds spent compiling programs"),
+        ("remote_fetch_seconds", "fetch_seconds", "Seconds fetching from the remote store"),
+        ("program_load_seconds", "load_seconds", "Seconds loading compiled programs"),
+        ("weights_load_seconds", "weights_seconds", "Seconds loading weights"),
+    ):
+        yield CounterMetricFamily(f"vllm_aot:{name}", help_text, value=load.get(key, 0))
+
+
+class StatsCollector:
+    """Exposes the worker's counters (zero until the worker has written them)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = path
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = read_stats(self.path)
-        hits = CounterMetricFamily(
-            "vllm_aot:cache_hits", "Compiled programs found in a cache tier", labels=["tier"]
-        )
-        for tier in ("local", "remote", "artifact"):
-            hits.add_metric([tier], stats.get("hits", {}).get(tier, 0))
-        yield hits
-        for name, key, help_text in (
-            ("cache_misses", "misses", "Compiled programs not cached (compiled at start-up)"),
-            ("compile_seconds", "compile_seconds", "Seconds spent compiling programs"),
-            ("remote_fetch_seconds", "fetch_seconds", "Seconds fetching from the remote store"),
-            ("program_load_seconds", "load_seconds", "Seconds loading compiled programs"),
-            ("weights_load_seconds", "weights_seconds", "Seconds loading weights"),
-        ):
-            yield CounterMetricFamily(f"vllm_aot:{name}", help_text, value=stats.get(key, 0))
+        yield from _load_families(stats.get("load", {}))
+        yield from _step_families(stats)
 
 
 def register_collector(path: str | Path) -> None:
     """Add the collector to this process's registry (once: a second call is a no-op)."""
     with contextlib.suppress(ValueError):  # already registered in this process
-        REGISTRY.register(LoadStatsCollector(path))
+        REGISTRY.register(StatsCollector(path))

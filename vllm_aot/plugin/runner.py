@@ -4,6 +4,8 @@ Per step: forget finished requests, record new and updated ones (the scheduler s
 blocks and sampling parameters once; we keep the tokens we sample), then run the layers in
 `execute_model` and the head in `sample_tokens`, after vLLM has computed the grammar bitmask for
 structured-output requests. A step is all-prefill or all-decode (AotScheduler's guarantee).
+While a profiler records, the host-side phases are named ranges (`update_states`,
+`logits_processing`, `runner_output`) around the model's own (see CompiledModel).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class AotModelRunner:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the layers of this step; the head runs in `sample_tokens`."""
-        self.update_states(out)
+        with self.model.spans("update_states"):
+            self.update_states(out)
         if out.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         rows = [
@@ -140,6 +143,7 @@ class AotModelRunner:
         rows, layers = self._pending
         self._pending = None
         masks = _grammar_masks(grammar_output)
+        spans = self.model.spans
         sampled: dict[str, tuple[int, SamplerOutput, int]] = {}
         for layer in layers:
             sampling = [
@@ -156,9 +160,11 @@ class AotModelRunner:
                 if row.is_complete:
                     token = int(out.tokens[i])
                     if needs_logits_processing(row.request.params):
-                        token = self._resample(out.logits[i], row, sampling[i])
+                        with spans("logits_processing"):
+                            token = self._resample(out.logits[i], row, sampling[i])
                     sampled[row.request.req_id] = (token, out, i)
-        return self._runner_output(rows, sampled)
+        with spans("runner_output"):
+            return self._runner_output(rows, sampled)
 
     def _resample(self, logits: torch.Tensor, row: ScheduledRow, sampling: RowSampling) -> int:
         processed = process_logits(logits, row.request)[None]

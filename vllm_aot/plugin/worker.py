@@ -4,23 +4,29 @@ Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (pro
 from disk or compiled — and weights), `get_kv_cache_spec` (our pools' geometry),
 `determine_available_memory` (the KV budget), `initialize_from_config` (pool of vLLM's block
 count), `compile_or_warm_up_model` (compile/load report). Then `execute_model`/`sample_tokens`
-per step, delegated to AotModelRunner.
+per step, delegated to AotModelRunner; `profile` between steps (vLLM's `/start_profile` and
+`/stop_profile`, see profiling.py). The stats file (metrics.py) gets the start-up counters in
+`load_model` and the step counters from a background thread from `initialize_from_config` on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import psutil
 import torch
+from vllm.config.profiler import validate_profile_prefix
+from vllm.profiler.wrapper import validate_worker_profiler_config
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.models.registry import load_arch
-from vllm_aot.plugin.metrics import write_load_stats
+from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
 from vllm_aot.runtime.artifacts import artifact_program_paths
 from vllm_aot.runtime.loader import (
@@ -52,6 +58,9 @@ class AotWorker(WorkerBase):
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         self.runner: AotModelRunner | None = None
+        self.stats_file: StatsFile | None = None
+        self.profiler: WorkerProfiler | None = None
+        validate_worker_profiler_config(self.vllm_config.profiler_config)
 
     def load_model(self, *args, **kwargs) -> None:
         options, runtime = self.options, self.options.runtime
@@ -77,7 +86,7 @@ class AotWorker(WorkerBase):
         self._report = report
         logger.info("vllm-aot: %s", report.summary())
         if options.stats_file:
-            write_load_stats(options.stats_file, report)
+            self.stats_file = StatsFile(options.stats_file, load_stats(report))
 
     def _weights_dir(self):
         if self.options.artifact_dir is None:
@@ -126,6 +135,8 @@ class AotWorker(WorkerBase):
             num_kv_blocks=kv_cache_config.num_blocks,
         )
         self.runner = AotModelRunner(self.model)
+        if self.stats_file is not None:
+            self.stats_file.follow(functools.partial(model_stats, self.model))
         logger.info("vllm-aot: KV pool of %d blocks", kv_cache_config.num_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -135,10 +146,50 @@ class AotWorker(WorkerBase):
         return ("generate",)
 
     def execute_model(self, scheduler_output):
-        return self.runner.execute_model(scheduler_output)
+        if self.profiler is not None:
+            self.profiler.step()  # delayed starts, iteration limits, schedules
+            self.model.spans.is_enabled = self.profiler.is_recording
+        with self.model.spans("execute_model"):
+            return self.runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output):
-        return self.runner.sample_tokens(grammar_output)
+        with self.model.spans("sample_tokens"):
+            return self.runner.sample_tokens(grammar_output)
+
+    def profile(
+        self,
+        is_start: bool = True,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        """Start or stop a torch profiler session (vLLM's `/start_profile`, `/stop_profile`).
+
+        Raises RuntimeError when `--profiler-config` did not enable the torch profiler.
+        """
+        config = self.vllm_config.profiler_config
+        if config is None or config.profiler is None:
+            raise RuntimeError(
+                "Profiling is not enabled; pass --profiler-config "
+                '\'{"profiler": "torch", "torch_profiler_dir": "/abs/dir"}\''
+            )
+        if is_start:
+            validate_profile_prefix(profile_prefix)
+            if self.profiler is None:
+                self.profiler = WorkerProfiler(config, rank=self.rank)
+            name = f"vllm_aot_rank{self.rank}"
+            self.profiler.start(
+                f"{profile_prefix}_{name}" if profile_prefix else name,
+                delay_iterations=delay_iterations,
+                max_iterations=max_iterations,
+            )
+        elif self.profiler is None:
+            logger.warning("vllm-aot: the profiler was not started; nothing to stop")
+            return
+        else:
+            self.profiler.stop()
+        self.model.spans.is_enabled = self.profiler.is_recording
 
     def get_model(self):
         return self.model
@@ -147,4 +198,8 @@ class AotWorker(WorkerBase):
         return None
 
     def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.shutdown()
+        if self.stats_file is not None:
+            self.stats_file.close()
         self.runner = None

@@ -7,6 +7,11 @@ head program.
 
 A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
+
+Observability: `num_executions` counts the layer passes and head runs per program, `step_stats`
+the real vs padded rows, tokens and context tokens of each layer pass, and while `spans` is
+enabled (a profiler records) every program call is a range named after its program, inside
+ranges for the step's phases (`prepare_inputs`, `layers`, `write_kv`, `prepare_sampling`).
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from vllm_aot.runtime.inputs import (
     prepare_sampling,
 )
 from vllm_aot.runtime.kv_cache import KVCache
+from vllm_aot.runtime.profiling import Spans
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
 from vllm_aot.runtime.sampler import SamplerOutput, SamplingParams
+from vllm_aot.runtime.step_stats import StepStats
 
 
 class Tap(Protocol):
@@ -77,6 +84,8 @@ class CompiledModel:
         self._layer_args = [flatten_weights(w) for w in weights.layers]
         self._inv_freq = arch.rope.inv_freq()
         self.num_executions: dict[ProgramKey, int] = dict.fromkeys(self.programs, 0)
+        self.step_stats = StepStats()
+        self.spans = Spans()
         self._tap: Tap | None = None
 
     @contextmanager
@@ -90,8 +99,9 @@ class CompiledModel:
             self._tap = None
 
     def _program(self, key: ProgramKey) -> Program:
+        """The program for `key`, counted once per step; each call a named span when profiled."""
         self.num_executions[key] += 1
-        return self.programs[key]
+        return self.spans.wrap(self.programs[key], key.name)
 
     def _run_layers(
         self,
@@ -107,25 +117,29 @@ class CompiledModel:
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
         program = self._program(key)
-        hidden = F.embedding(token_ids, self.weights.embed)
-        tap, real_positions = self._tap, positions[:num_real]
-        if tap is not None:
-            hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
-        cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
-        for layer, weights in enumerate(self._layer_args):
-            kv = (self.kv.k[layer], self.kv.v[layer])
-            hidden, k_new, v_new = program(hidden, cos, sin, *kv, *context, *weights)
+        write_kv = self.spans.wrap(self.kv.write, "write_kv")
+        with self.spans("layers"):  # embedding and rotary included
+            hidden = F.embedding(token_ids, self.weights.embed)
+            tap, real_positions = self._tap, positions[:num_real]
             if tap is not None:
-                prefix = f"model.layers.{layer}"
-                k_new = tap(
-                    name=f"{prefix}.self_attn.key_states", tensor=k_new, positions=real_positions
-                )
-                v_new = tap(
-                    name=f"{prefix}.self_attn.value_states", tensor=v_new, positions=real_positions
-                )
-                hidden = tap(name=prefix, tensor=hidden, positions=real_positions)
-            self.kv.write(layer, slot_mapping, k_new, v_new)
+                hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
+            cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
+            for layer, weights in enumerate(self._layer_args):
+                kv = (self.kv.k[layer], self.kv.v[layer])
+                hidden, k_new, v_new = program(hidden, cos, sin, *kv, *context, *weights)
+                if tap is not None:
+                    hidden, k_new, v_new = self._tap_layer(
+                        tap, layer, hidden, k_new, v_new, real_positions
+                    )
+                write_kv(layer, slot_mapping, k_new, v_new)
         return hidden
+
+    @staticmethod
+    def _tap_layer(tap: Tap, layer: int, hidden, k_new, v_new, positions):
+        prefix = f"model.layers.{layer}"
+        k_new = tap(name=f"{prefix}.self_attn.key_states", tensor=k_new, positions=positions)
+        v_new = tap(name=f"{prefix}.self_attn.value_states", tensor=v_new, positions=positions)
+        return tap(name=prefix, tensor=hidden, positions=positions), k_new, v_new
 
     def sample(self, hidden: torch.Tensor, sampling: Sequence[RowSampling]) -> SamplerOutput:
         """Head program over hidden: [row bucket, hidden]; outputs for the real rows only.
@@ -135,19 +149,30 @@ class CompiledModel:
         num_rows = hidden.shape[0]
         is_greedy = all(r.params.top_k == 1 for r in sampling)
         kind = ProgramKind.GREEDY if is_greedy else ProgramKind.SAMPLE
-        tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
+        with self.spans("prepare_sampling"):
+            tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
         w = self.weights
         out = self._program(ProgramKey(kind, num_rows))(hidden, w.final_norm, w.lm_head, *tensors)
         return SamplerOutput(*(t[: len(sampling)] for t in out))
 
     def _prefill_layers(self, chunks: Sequence[PrefillChunk]):
         """Layers over the packed chunks: (hidden [token bucket, hidden], the padded inputs)."""
-        inputs = prepare_prefill(chunks, self.config)
+        with self.spans("prepare_inputs"):
+            inputs = prepare_prefill(chunks, self.config)
         num_tokens = inputs.token_ids.shape[0]
         num_ctx_tokens = inputs.context_block_ids.shape[0] * self.config.block_size
         key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
         context = (inputs.context_block_ids, inputs.attn_mask)
         num_real = sum(len(c.token_ids) for c in chunks)
+        self.step_stats.record(
+            "prefill",
+            num_rows=len(chunks),
+            row_bucket=inputs.logits_indices.shape[0],
+            num_tokens=num_real,
+            token_bucket=num_tokens,
+            num_context_tokens=sum(c.num_cached for c in chunks),
+            context_bucket=num_ctx_tokens,
+        )
         hidden = self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, num_real
         )
@@ -160,10 +185,21 @@ class CompiledModel:
 
     def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Layers of a decode step; [row bucket, hidden]."""
-        inputs = prepare_decode(rows, self.config)
+        with self.spans("prepare_inputs"):
+            inputs = prepare_decode(rows, self.config)
         num_rows, num_ctx_blocks = inputs.block_tables.shape
-        key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_blocks * self.config.block_size)
+        num_ctx_tokens = num_ctx_blocks * self.config.block_size
+        key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
         context = (inputs.block_tables, inputs.context_mask)
+        self.step_stats.record(
+            "decode",
+            num_rows=len(rows),
+            row_bucket=num_rows,
+            num_tokens=len(rows),
+            token_bucket=num_rows,
+            num_context_tokens=sum(r.position for r in rows),
+            context_bucket=num_rows * num_ctx_tokens,
+        )
         return self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, len(rows)
         )
