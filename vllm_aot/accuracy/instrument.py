@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from vllm_aot.accuracy.capture import CaptureTap
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.layers import project_qkv, rms_norm
+from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.kv_cache import blocks_needed
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import Layer, ProgramKind, unflatten_weights
@@ -25,8 +26,10 @@ from vllm_aot.runtime.programs import Layer, ProgramKind, unflatten_weights
 class InstrumentedLayer(Layer):
     """`programs.Layer` plus sub-layer reports to `tap` (same signature and outputs)."""
 
-    def __init__(self, arch: ModelArch, *, is_prefill: bool, tap: CaptureTap) -> None:
-        super().__init__(arch, is_prefill=is_prefill)
+    def __init__(
+        self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool, tap: CaptureTap
+    ) -> None:
+        super().__init__(arch, config, is_prefill=is_prefill)
         self.tap = tap
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
@@ -34,13 +37,13 @@ class InstrumentedLayer(Layer):
         w = unflatten_weights(self.layout, weights)
         eps = self.dims.rms_norm_eps
         self.tap.sublayer("input_layernorm", rms_norm(hidden, w.input_norm, eps))
-        q, k_side, v_side = project_qkv(hidden, w, self.dims, cos, sin)
-        attn = F.linear(self.attention(q, k_side, v_side, k_pool, v_pool, ctx_a, ctx_b), w.wo)
+        q, k_side, v_side = project_qkv(hidden, w, self.dims, cos, sin, self.linear)
+        attn = self.linear(self.attention(q, k_side, v_side, k_pool, v_pool, ctx_a, ctx_b), w.wo)
         self.tap.sublayer("self_attn", attn)
         h = rms_norm(hidden + attn, w.post_norm, eps)
         self.tap.sublayer("post_attention_layernorm", h)
-        gate, up = F.linear(h, w.w13).chunk(2, dim=-1)
-        self.tap.sublayer("mlp", F.linear(F.silu(gate) * up, w.w2))
+        gate, up = self.linear(h, w.w13).chunk(2, dim=-1)
+        self.tap.sublayer("mlp", self.linear(F.silu(gate) * up, w.w2))
         return out, k, v
 
 
@@ -53,7 +56,7 @@ def instrumented_model(model: CompiledModel, tap: CaptureTap, num_tokens: int) -
     for key in programs:
         if key.is_layer:
             is_prefill = key.kind is ProgramKind.PREFILL
-            layer = InstrumentedLayer(model.arch, is_prefill=is_prefill, tap=tap)
+            layer = InstrumentedLayer(model.arch, model.config, is_prefill=is_prefill, tap=tap)
             programs[key] = torch.no_grad()(layer)
     num_blocks = blocks_needed(num_tokens, model.config.block_size) + 1  # + the dummy block
     return CompiledModel(

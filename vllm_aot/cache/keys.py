@@ -2,8 +2,9 @@
 
 A program's key covers the architecture (numbers only, no names or paths), the program's own
 shape (kind, bucket sizes), the runtime fields its graph reads (dtype, block size, logprobs,
-sampling candidates), the backend, the versions of torch and vllm-aot, the Inductor flags that
-change code generation and the CPU vector ISA the code is generated for. Nothing machine-specific
+sampling candidates), the backend, the kernels it calls, the versions of torch and
+vllm-aot, the Inductor flags that change code generation and the CPU vector ISA the code is
+generated for. Nothing machine-specific
 (paths, hostnames, users) enters a key: a shared store hits on every machine with the same
 versions and ISA, and misses, visibly, on any other.
 """
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 import vllm_aot
+from vllm_aot.kernels import attention_impl, linear_impl
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey
@@ -44,7 +46,10 @@ def compiler_flags() -> dict[str, Any]:
     """Inductor settings that change the generated code (read after any TORCHINDUCTOR_* env)."""
     from torch._inductor import config
 
+    from vllm_aot.runtime.backends import INDUCTOR_SETTINGS
+
     return {
+        **INDUCTOR_SETTINGS,
         "cpp.simdlen": config.cpp.simdlen,
         "max_autotune": config.max_autotune,
         "freezing": config.freezing,
@@ -72,6 +77,7 @@ def program_fingerprint(arch: ModelArch, config: RuntimeConfig, key: ProgramKey)
         "runtime": {name: shapes[name] for name in _PROGRAM_FIELDS},
         "backend": "inductor",
         "flags": compiler_flags(),
+        "kernels": {"linear": linear_impl(config.torch_dtype), "attention": attention_impl()},
         "target": cpu_target(),
         **versions(),
     }

@@ -8,10 +8,14 @@ writes them through the slot mapping, so a compiled program has no side effects 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+# A linear layer: (x, weight, bias=None) -> x @ weight.T + bias. `F.linear`, or a kernel of ours.
+Linear = Callable[..., torch.Tensor]
 
 
 class LayerWeights(NamedTuple):
@@ -88,18 +92,26 @@ def decode_attention(
     pools: [num_blocks, block_size, kv_heads, head_dim]; block_tables: [rows, ctx_blocks];
     context_mask: [rows, ctx_blocks * block_size] (True for cached positions < context length).
     Returns [rows, heads * head_dim] in q's dtype.
+
+    Written as broadcasts and sums rather than batched matmuls: with one query per row the
+    products are small, and the compiler fuses the block gather, the widening to fp32, the
+    products and the sums into a few loops instead of materialising gathered, concatenated and
+    widened copies of K and V for a matmul library.
     """
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
     num_keys = block_tables.shape[1] * k_pool.shape[1]
-    k_ctx = k_pool[block_tables].reshape(rows, num_keys, num_kv_heads, head_dim)
-    v_ctx = v_pool[block_tables].reshape(rows, num_keys, num_kv_heads, head_dim)
-    k = torch.cat([k_ctx, k_new[:, None]], dim=1).transpose(1, 2)  # [rows, kv, keys+1, d]
-    v = torch.cat([v_ctx, v_new[:, None]], dim=1).transpose(1, 2)
-    self_visible = torch.ones_like(context_mask[:, :1])
-    mask = torch.cat([context_mask, self_visible], dim=1)[:, None, None, None, :]
-    qg = q.view(rows, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
-    out = _attend(qg, k, v, mask, head_dim**-0.5)
+    scale = head_dim**-0.5
+    qg = q.float().view(rows, 1, num_kv_heads, group, head_dim) * scale
+    k_ctx = k_pool[block_tables].view(rows, num_keys, num_kv_heads, 1, head_dim)
+    v_ctx = v_pool[block_tables].view(rows, num_keys, num_kv_heads, 1, head_dim)
+    scores = (qg * k_ctx.float()).sum(-1)  # [rows, keys, kv, group]
+    scores = scores.masked_fill(~context_mask[:, :, None, None], float("-inf"))
+    own = (qg[:, 0] * k_new[:, :, None].float()).sum(-1)  # [rows, kv, group]
+    probs = torch.softmax(torch.cat([scores, own[:, None]], dim=1), dim=1)
+    out = (probs[:, :num_keys, :, :, None] * v_ctx.float()).sum(1)
+    out = out + probs[:, num_keys, :, :, None] * v_new[:, :, None].float()
     return out.reshape(rows, num_heads * head_dim).to(q.dtype)
 
 
@@ -132,11 +144,16 @@ def prefill_attention(
 
 
 def project_qkv(
-    x: torch.Tensor, w: LayerWeights, dims: LayerDims, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    w: LayerWeights,
+    dims: LayerDims,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, fused QKV projection, optional q/k norm, rotary. Shapes [tokens, heads, head_dim]."""
     h = rms_norm(x, w.input_norm, dims.rms_norm_eps)
-    qkv = F.linear(h, w.wqkv, w.bqkv)
+    qkv = linear(h, w.wqkv, w.bqkv)
     q_size = dims.num_heads * dims.head_dim
     kv_size = dims.num_kv_heads * dims.head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -150,10 +167,14 @@ def project_qkv(
 
 
 def finish_layer(
-    x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, dims: LayerDims
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    w: LayerWeights,
+    dims: LayerDims,
+    linear: Linear = F.linear,
 ) -> torch.Tensor:
     """Output projection, residual, norm, SwiGLU MLP, residual."""
-    x = x + F.linear(attn, w.wo)
+    x = x + linear(attn, w.wo)
     h = rms_norm(x, w.post_norm, dims.rms_norm_eps)
-    gate, up = F.linear(h, w.w13).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w.w2)
+    gate, up = linear(h, w.w13).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w.w2)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from vllm_aot.kernels import attention_impl, decode_attention_fn, linear_fn, linear_impl
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, build_module, dynamic_shapes, example_inputs
@@ -31,6 +32,14 @@ def eager_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> Pr
     return torch.no_grad()(module)
 
 
+# Inductor emits parallel loops only when it compiles for more than one thread, and by default
+# it reads the compiling process's thread count (1 in our compile workers) and may hardcode it.
+# Programs are compiled as for CODEGEN_THREADS threads with `#pragma omp parallel` left to the
+# runtime's OpenMP pool, so one program serves any core count and its cache key names no machine.
+CODEGEN_THREADS = 8
+INDUCTOR_SETTINGS = {"cpp.threads": CODEGEN_THREADS, "cpp.dynamic_threads": True}
+
+
 def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, path: Path) -> float:
     """Export and AOT-compile one program into `path`; returns seconds spent.
 
@@ -39,7 +48,7 @@ def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, pat
     start = time.perf_counter()
     module = build_module(key, arch, config)
     inputs = example_inputs(key, arch, config)
-    with torch.no_grad():
+    with torch.no_grad(), torch._inductor.config.patch(INDUCTOR_SETTINGS):
         exported = torch.export.export(
             module, inputs, dynamic_shapes=dynamic_shapes(key, inputs), strict=False
         )
@@ -53,7 +62,10 @@ def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, pat
     return time.perf_counter() - start
 
 
-def load_program(path: Path) -> Program:
+def load_program(path: Path, config: RuntimeConfig) -> Program:
+    """A compiled package; the kernels it calls by name are loaded into the process first."""
+    linear_fn(linear_impl(config.torch_dtype))
+    decode_attention_fn(attention_impl())
     return torch._inductor.aoti_load_package(str(path))
 
 

@@ -135,7 +135,7 @@ def load_programs(
     programs = {}
     for key in keys:
         start = time.perf_counter()
-        programs[key] = load_program(program_paths[key])
+        programs[key] = load_program(program_paths[key], config)
         report.loaded[key.name] = time.perf_counter() - start
     return programs
 

@@ -17,11 +17,11 @@ from enum import StrEnum
 import torch
 from torch import nn
 
+from vllm_aot.kernels import attention_impl, decode_attention_fn, linear_fn, linear_impl
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.layers import (
     LayerDims,
     LayerWeights,
-    decode_attention,
     finish_layer,
     prefill_attention,
     project_qkv,
@@ -104,17 +104,18 @@ class Layer(nn.Module):
     (block_tables, context_mask) for decode.
     """
 
-    def __init__(self, arch: ModelArch, *, is_prefill: bool) -> None:
+    def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool) -> None:
         super().__init__()
         self.dims = layer_dims(arch)
         self.layout = weight_layout(arch)
-        self.attention = prefill_attention if is_prefill else decode_attention
+        self.attention = prefill_attention if is_prefill else decode_attention_fn(attention_impl())
+        self.linear = linear_fn(linear_impl(config.torch_dtype))
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
         w = unflatten_weights(self.layout, weights)
-        q, k, v = project_qkv(hidden, w, self.dims, cos, sin)
+        q, k, v = project_qkv(hidden, w, self.dims, cos, sin, self.linear)
         attn = self.attention(q, k, v, k_pool, v_pool, ctx_a, ctx_b)
-        return finish_layer(hidden, attn, w, self.dims), k, v
+        return finish_layer(hidden, attn, w, self.dims, self.linear), k, v
 
 
 class Head(nn.Module):
@@ -126,10 +127,11 @@ class Head(nn.Module):
         self.is_greedy = is_greedy
         self.num_logprobs = config.num_logprobs
         self.num_candidates = min(config.num_sampling_candidates, arch.vocab_size)
+        self.linear = linear_fn(linear_impl(config.torch_dtype))
 
     def forward(self, hidden, final_norm, lm_head, *sampling) -> SamplerOutput:
         t = SamplingTensors(*sampling)
-        logits = torch.nn.functional.linear(rms_norm(hidden, final_norm, self.eps), lm_head)
+        logits = self.linear(rms_norm(hidden, final_norm, self.eps), lm_head)
         logits = logits.float()
         if self.is_greedy:
             return tuple(greedy_sample(logits, t, self.num_logprobs))
@@ -138,7 +140,7 @@ class Head(nn.Module):
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
     if key.is_layer:
-        return Layer(arch, is_prefill=key.kind is ProgramKind.PREFILL)
+        return Layer(arch, config, is_prefill=key.kind is ProgramKind.PREFILL)
     return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
 
 

@@ -1,0 +1,73 @@
+"""Our CPU kernels against their pure-torch references, on the shapes programs give them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_aot import kernels
+from vllm_aot.models.layers import decode_attention
+
+pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded():
+    kernels.load()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33, 130])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (7, 21), (13, 40)])
+def test_linear_bf16_matches_float32_product(rows, n, k):
+    """Every activation-row path (1-2 rows read in registers, blocks of 3, tails) and weight-row
+    tails (N not a multiple of the tile) and K tails (not a multiple of 8 or 16)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    got = torch.ops.vllm_aot.linear_bf16(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    want = F.linear(x.float(), w.float())
+    # float32 sums in a different order, then one rounding to bfloat16 (8 bits of mantissa).
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_linear_keeps_leading_dimensions_and_adds_bias():
+    x = torch.randn(2, 3, 64).bfloat16()
+    w = torch.randn(16, 64).bfloat16()
+    b = torch.randn(16).bfloat16()
+    got = kernels.linear_fn(kernels.LINEAR_BF16)(x, w, b)
+    assert got.shape == (2, 3, 16)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(dtype):
+    """Rows with no context (padding rows), part of a block, exactly a block, several blocks and
+    the whole bucket; block tables in any order, with dummy entries past each row's length."""
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, dim, block, blocks, width = 6, 9, 3, 64, 16, 40, 8
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_pool, v_pool = (
+        torch.randn(blocks, block, kv_heads, dim, generator=g).to(dtype) for _ in range(2)
+    )
+    lengths = torch.tensor([0, 1, 15, 16, 70, width * block])
+    tables = torch.randint(1, blocks, (rows, width), generator=g)
+    tables[torch.arange(width)[None] * block >= lengths[:, None]] = 0  # the dummy block
+    mask = torch.arange(width * block)[None] < lengths[:, None]
+    want = decode_attention(q, k_new, v_new, k_pool, v_pool, tables, mask)
+    got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(
+        q, k_new, v_new, k_pool, v_pool, tables, mask
+    )
+    assert got.dtype == dtype and got.shape == (rows, heads * dim)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_kernels_off_selects_aten_and_torch(monkeypatch):
+    monkeypatch.setenv("VLLM_AOT_KERNELS", "0")
+    assert kernels.linear_impl(torch.bfloat16) == kernels.ATEN
+    assert kernels.attention_impl() == kernels.TORCH
+    monkeypatch.delenv("VLLM_AOT_KERNELS")
+    assert kernels.linear_impl(torch.float32) == kernels.ATEN  # MKL is fast in float32

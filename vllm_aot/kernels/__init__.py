@@ -1,0 +1,141 @@
+"""Hand-written CPU kernels, as torch custom ops, for what aten and Inductor do poorly here.
+
+- `vllm_aot::linear_bf16(x, w)` (`linear_bf16.cpp`): `x @ w.T` for bfloat16 tensors with float32
+  accumulation. On x86 CPUs without native bfloat16 arithmetic (no AVX-512 BF16 or AMX), aten's
+  bfloat16 matmul runs 5-10x slower than the same product in float32 once more than one row
+  multiplies the weights; this kernel widens the weights in registers and runs at float32 speed
+  while reading half the bytes.
+- `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens)`
+  (`decode_attention.cpp`): paged attention of one query per row that reads only the row's real
+  context, where the pure-torch version (`models.layers.decode_attention`, the reference) attends
+  over the whole static context bucket and Inductor's code for it is mostly gathers.
+
+Which implementation a program calls is fixed when it is compiled (`linear_impl`,
+`attention_impl`, part of its cache key); compiled programs call the ops by name, so the library
+is loaded (`load()`) before any program runs. `VLLM_AOT_KERNELS=0` turns every kernel off (aten
+and pure torch only), for debugging and comparison.
+
+The library is built on first use with the machine's C++ compiler (the one Inductor uses) into
+`<cache root>/kernels/<digest of source and torch version>/` (~15 s, once per machine) and loaded
+from there afterwards; torch's extension builder locks the directory, so concurrent first uses
+build it once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_aot.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("linear_bf16.cpp", "decode_attention.cpp")]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# The ops' contracts, named in the cache key of every program that calls them.
+LINEAR_BF16 = "vllm_aot.linear_bf16/1"
+DECODE_ATTENTION = "vllm_aot.decode_attention/1"
+ATEN = "aten"
+TORCH = "torch"
+
+
+def kernels_enabled() -> bool:
+    """x86-64 with AVX2 and FMA, unless `VLLM_AOT_KERNELS=0`."""
+    if os.environ.get("VLLM_AOT_KERNELS", "1") == "0":
+        return False
+    return platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_avx2_supported()
+
+
+def linear_impl(dtype: torch.dtype) -> str:
+    """The linear our programs use for `dtype` on this CPU.
+
+    The kernel for bfloat16 where the CPU has no native bfloat16 arithmetic; aten (oneDNN/MKL)
+    for float32 and on CPUs with AVX-512 BF16 or AMX.
+    """
+    cpu = torch.cpu
+    if dtype != torch.bfloat16 or not kernels_enabled():
+        return ATEN
+    if cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported():
+        return ATEN
+    return LINEAR_BF16
+
+
+def attention_impl() -> str:
+    """The decode attention our programs use: the kernel wherever kernels build."""
+    return DECODE_ATTENTION if kernels_enabled() else TORCH
+
+
+def linear_fn(impl: str):
+    """The function programs call for a linear layer: `fn(x, w, bias=None)`."""
+    if impl == ATEN:
+        return F.linear
+    load()
+    return _kernel_linear
+
+
+def decode_attention_fn(impl: str):
+    """The function decode programs call for attention (`models.layers.decode_attention`'s
+    signature)."""
+    if impl == TORCH:
+        from vllm_aot.models.layers import decode_attention
+
+        return decode_attention
+    load()
+    return _kernel_decode_attention
+
+
+def _kernel_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    y = torch.ops.vllm_aot.linear_bf16(x, w)
+    return y if bias is None else y + bias
+
+
+def _kernel_decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_mask):
+    # The mask is a prefix of each row's context bucket: its length is the row's context.
+    lengths = context_mask.sum(-1)
+    return torch.ops.vllm_aot.decode_attention(
+        q, k_new, v_new, k_pool, v_pool, block_tables, lengths
+    )
+
+
+def build_dir() -> Path:
+    blob = b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()
+    blob += torch.__version__.encode()
+    return cache_root() / "kernels" / hashlib.sha256(blob).hexdigest()[:16]
+
+
+@functools.cache
+def load() -> None:
+    """Build (once per machine) and load the kernels library into this process (once)."""
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="vllm_aot_kernels",
+        sources=[str(p) for p in _SOURCES],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    torch.library.register_fake("vllm_aot::linear_bf16")(_linear_shape)
+    torch.library.register_fake("vllm_aot::decode_attention")(_attention_shape)
+    logger.debug("vllm-aot kernels loaded from %s", directory)
+
+
+def _linear_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _attention_shape(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens):
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
