@@ -40,9 +40,31 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return total;
 }
 
-template <typename T>
-inline void axpy(float a, const T* v, float* out, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
+// acc[0:d] (D = d / 8 vectors, in registers) += sum over t < n of p[t] * value(t)[0:d].
+template <int D, typename T, typename Value>
+inline void weighted_sum(const float* p, int64_t n, Value value, float* out) {
+  __m256 acc[D];
+  for (int j = 0; j < D; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const T* v = value(t);
+    for (int j = 0; j < D; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < D; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+template <typename T, typename Value>
+inline void weighted_sum_any(const float* p, int64_t n, Value value, int64_t d, float* out) {
+  switch (d) {
+    case 64: return weighted_sum<8, T>(p, n, value, out);
+    case 128: return weighted_sum<16, T>(p, n, value, out);
+    default:
+      std::fill(out, out + d, 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = value(t);
+        for (int64_t i = 0; i < d; ++i) out[i] += p[t] * static_cast<float>(v[i]);
+      }
+  }
 }
 
 template <typename T>
@@ -63,23 +85,26 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
+  const bool vector_dim = d % 8 == 0;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores(group * (max_keys + 1));
+    std::vector<float> qf(group * d), acc(d), scores(group * (max_keys + 1));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = std::min(lens[r], max_keys);
+      const int64_t* table = tables + r * max_blocks;
+      // Cached position t, then the row's new key/value at t == len.
+      auto at = [&](const T* pool, const T* own, int64_t t) {
+        if (t == len) return own + (r * kv_heads + h) * d;
+        const int64_t block = table[t / block_size];
+        return pool + (block * block_size + t % block_size) * token_stride + h * d;
+      };
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
           qf[g * d + i] = static_cast<float>(qp[(r * heads + h * group + g) * d + i]) * scale;
-      // Scores: cached keys in block order, then the row's new key at index len.
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[r * max_blocks + t / block_size];
-        const T* key = kp + (block * block_size + t % block_size) * token_stride + h * d;
+      for (int64_t t = 0; t <= len; ++t) {
+        const T* key = at(kp, knp, t);
         for (int64_t g = 0; g < group; ++g) scores[g * (max_keys + 1) + t] = dot(&qf[g * d], key, d);
       }
-      const T* own_k = knp + (r * kv_heads + h) * d;
-      for (int64_t g = 0; g < group; ++g) scores[g * (max_keys + 1) + len] = dot(&qf[g * d], own_k, d);
-      // Softmax over len + 1 keys per query head.
       for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * (max_keys + 1)];
         float top = -std::numeric_limits<float>::infinity();
@@ -88,19 +113,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         for (int64_t t = 0; t <= len; ++t) total += (s[t] = std::exp(s[t] - top));
         const float inv = 1.f / total;
         for (int64_t t = 0; t <= len; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[r * max_blocks + t / block_size];
-        const T* value = vp + (block * block_size + t % block_size) * token_stride + h * d;
-        for (int64_t g = 0; g < group; ++g)
-          axpy(scores[g * (max_keys + 1) + t], value, &acc[g * d], d);
-      }
-      const T* own_v = vnp + (r * kv_heads + h) * d;
-      for (int64_t g = 0; g < group; ++g) {
-        axpy(scores[g * (max_keys + 1) + len], own_v, &acc[g * d], d);
+        auto value = [&](int64_t t) { return at(vp, vnp, t); };
+        if (vector_dim) {
+          weighted_sum_any<T>(s, len + 1, value, d, acc.data());
+        } else {
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t t = 0; t <= len; ++t) {
+            const T* v = value(t);
+            for (int64_t i = 0; i < d; ++i) acc[i] += s[t] * static_cast<float>(v[i]);
+          }
+        }
         T* dst = op + r * heads * d + (h * group + g) * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[g * d + i]);
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i]);
       }
     }
   });
