@@ -1,20 +1,24 @@
-"""Serving performance side by side: vllm-aot against vLLM's own CPU backend, in one run.
+"""Serving performance side by side: vllm-aot, vLLM's own CPU backend and llama.cpp, in one run.
 
     .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128]
-                                         [--systems ours,vllm] [--dtype bfloat16]
+                                         [--systems ours,vllm,llamacpp] [--dtype bfloat16]
+                                         [--llamacpp-server native|python]
 
-Each system is started once (start-up time recorded), then driven by `vllm bench serve` (random
-data, ignore-eos, streaming /v1/completions) for every case and concurrency, with
-`--prompts-per-stream` prompts per concurrent stream. Ours is `vllm-aot serve` (programs from the
-compile cache); vLLM's is the same vLLM with our plugin off (`VLLM_PLUGINS=none`) at its better
-core setting (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`, docs/benchmarking.md). Prints output tok/s, TTFT
-and TPOT (mean, p99) per system and our/their ratios. llama.cpp is not driven yet (its server
-needs the quirks listed in docs/benchmarking.md); the issue tracks it.
+Each system is started once (start-up: launch to its first successful health request), then
+driven by `vllm bench serve` (random data, ignore-eos, streaming /v1/completions) for every case
+and concurrency, with `--prompts-per-stream` prompts per concurrent stream and one seed per run
+(the same prompts for every system, no prompt repeated from an earlier run). Ours is `vllm-aot
+serve` (programs from the compile cache); vLLM's is the same vLLM with our plugin off
+(`VLLM_PLUGINS=none`) at its better core setting (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`,
+docs/benchmarking.md); llama.cpp is the build of scripts/setup_llamacpp.sh serving the bundled
+GGUF itself (bench/llamacpp.py: which server, its quirks), included by default when built. Prints
+output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -22,12 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
 from rich.console import Console
 from rich.table import Table
 from serve_bench import run_vllm_bench
 
-from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
+
+SYSTEMS = ("ours", "vllm", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -39,96 +47,195 @@ class Figures:
     p99_tpot_ms: float
 
 
-def server(system: str, model: Path, port: int, dtype: str) -> tuple[list[str], dict[str, str]]:
+@dataclass(frozen=True)
+class Server:
+    """One system's server: how to start it, when it is up, how `vllm bench serve` drives it."""
+
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    health_path: str = "/health"
+    bench_args: tuple[str, ...] = ()  # flags for the server's quirks
+    # Its stream has no token count `vllm bench serve` reads, and every request is made to run to
+    # max_tokens: count each completed request at that length (see `full_length_figures`).
+    is_counted_at_full_length: bool = False
+
+
+def server(system: str, model: Path, port: int, args) -> Server:
     if system == "ours":
         command = [sys.executable, "-m", "vllm_aot.serve.cli", "serve", "--port", str(port)]
-        return [*command, "--dtype", dtype], {}
-    args = ["--served-model-name", DEFAULT_MODEL_NAME, "--max-model-len", "2048",
-            "--gpu-memory-utilization", "0.5", "--dtype", dtype]  # fmt: skip
-    env = {"VLLM_PLUGINS": "none", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
-    return vllm_server_command(model, port, args=args), env
+        return Server((*command, "--dtype", args.dtype))
+    if system == "vllm":
+        vllm_args = ["--served-model-name", DEFAULT_MODEL_NAME, "--max-model-len", "2048",
+                     "--gpu-memory-utilization", "0.5", "--dtype", args.dtype]  # fmt: skip
+        env = (("VLLM_PLUGINS", "none"), ("VLLM_CPU_KVCACHE_SPACE", "2"),
+               ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))  # fmt: skip
+        return Server(tuple(vllm_server_command(model, port, args=vllm_args)), env)
+    llamacpp = args.llamacpp
+    command = llamacpp.command(
+        find_default_gguf(), port, name=DEFAULT_MODEL_NAME, num_slots=max(args.concurrency)
+    )
+    return Server(
+        command=tuple(command),
+        env=tuple(llamacpp.env.items()),
+        health_path=llamacpp.health_path,
+        bench_args=tuple(llamacpp.bench_args(banned_ids=special_token_ids(model))),
+        is_counted_at_full_length=True,
+    )
+
+
+def special_token_ids(model: Path) -> list[int]:
+    """The tokenizer's special tokens (SmolLM2: <|endoftext|>, <|im_start|>, <|im_end|>).
+
+    Banning them forces full-length output where a server ignores `ignore_eos`; none of them
+    belongs in the random text a benchmark generates.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).all_special_ids
+
+
+def full_length_figures(result: dict, output_len: int) -> Figures:
+    """Figures of a `--save-detailed` result with every completed request at `output_len` tokens.
+
+    Without a usage count `vllm bench serve` counts output tokens by re-tokenising the streamed
+    text, which undercounts sampled text (llama.cpp smoke runs here: by up to 13 % of a run, by
+    half of one request), so it understates tok/s and overstates TPOT. TPOT is computed as
+    vLLM computes it: (latency - TTFT) / (tokens - 1).
+    """
+    done = [i for i, error in enumerate(result["errors"]) if not error]
+    ttfts = np.array([result["ttfts"][i] for i in done])
+    tpots = (np.array([result["latencies"][i] for i in done]) - ttfts) / (output_len - 1)
+    return Figures(
+        output_tok_s=len(done) * output_len / result["duration"],
+        mean_ttft_ms=np.mean(ttfts) * 1000,
+        p99_ttft_ms=np.percentile(ttfts, 99) * 1000,
+        mean_tpot_ms=np.mean(tpots) * 1000,
+        p99_tpot_ms=np.percentile(tpots, 99) * 1000,
+    )
 
 
 def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]:
     port = free_port()
-    command, env = server(system, model, port, args.dtype)
+    spec = server(system, model, port, args)
     results = {}
     start = time.monotonic()
     with running_server(
-        command, port=port, env=env, log_path=out_dir / f"{system}-serve.log", timeout=1800
+        spec.command,
+        port=port,
+        env=dict(spec.env),
+        log_path=out_dir / f"{system}-serve.log",
+        timeout=1800,
+        health_path=spec.health_path,
     ) as url:
         startup = time.monotonic() - start
-        for case in args.cases:
+        runs = itertools.product(args.cases, args.concurrency)
+        for seed, (case, concurrency) in enumerate(runs):
             input_len, output_len = (int(v) for v in case.split("x"))
-            for concurrency in args.concurrency:
-                bench_args = SimpleNamespace(
-                    input_len=input_len,
-                    output_len=output_len,
-                    num_prompts=max(2, args.prompts_per_stream * concurrency),
-                    concurrency=concurrency,
+            bench_args = SimpleNamespace(
+                input_len=input_len,
+                output_len=output_len,
+                num_prompts=max(2, args.prompts_per_stream * concurrency),
+                concurrency=concurrency,
+            )
+            tag = f"{system}-{case}-c{concurrency}"
+            detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
+            r = run_vllm_bench(
+                url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
+                seed=seed, extra_args=(*spec.bench_args, *detailed),
+            )  # fmt: skip
+            if spec.is_counted_at_full_length:
+                results[(case, concurrency)] = full_length_figures(r, output_len)
+                print(
+                    f"{tag}: {r['completed']} requests counted at {output_len} tokens each "
+                    f"(re-tokenising their text gives {r['total_output_tokens']} in all)"
                 )
-                tag = f"{system}-{case}-c{concurrency}"
-                r = run_vllm_bench(url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag)
+            else:
                 results[(case, concurrency)] = Figures(
-                    r["output_throughput"],
-                    r["mean_ttft_ms"],
-                    r["p99_ttft_ms"],
-                    r["mean_tpot_ms"],
-                    r["p99_tpot_ms"],
+                    output_tok_s=r["output_throughput"],
+                    mean_ttft_ms=r["mean_ttft_ms"],
+                    p99_ttft_ms=r["p99_ttft_ms"],
+                    mean_tpot_ms=r["mean_tpot_ms"],
+                    p99_tpot_ms=r["p99_tpot_ms"],
                 )
     return startup, results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default="ours,vllm")
-    parser.add_argument("--cases", default="128x128,1024x128", help="INPUTxOUTPUT,...")
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--prompts-per-stream", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--out", type=Path, default=None, help="results and logs (default: tmp)")
-    args = parser.parse_args()
-    args.cases = args.cases.split(",")
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    out_dir = args.out or Path(tempfile.mkdtemp(prefix="vllm-aot-perf-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = prepare_default_model()
+def choose_systems(args) -> list[str]:
+    """`--systems`, or ours and vLLM plus llama.cpp when it is built; refuses what cannot run."""
+    if args.systems is None:
+        if args.llamacpp is None:
+            print(f"llamacpp skipped: no build in {BUILD_DIR} (scripts/setup_llamacpp.sh)")
+            return ["ours", "vllm"]
+        return list(SYSTEMS)
     systems = args.systems.split(",")
-    runs = {system: measure(system, model, args, out_dir) for system in systems}
-    console = Console(width=160)
-    title = f"{DEFAULT_MODEL_NAME} {args.dtype}, vllm bench serve (random, ignore-eos)"
+    if unknown := set(systems) - set(SYSTEMS):
+        raise SystemExit(f"error: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    if "llamacpp" in systems and args.llamacpp is None:
+        which = f"{args.llamacpp_server} " if args.llamacpp_server else ""
+        raise SystemExit(
+            f"error: no {which}llama.cpp build in {BUILD_DIR}: run scripts/setup_llamacpp.sh"
+        )
+    return systems
+
+
+def print_table(runs: dict, systems: list[str], args) -> None:
+    console = Console(width=200)
+    title = f"{DEFAULT_MODEL_NAME}, vllm bench serve (random, ignore-eos)"
     table = Table("case", "streams", title=title)
     for system in systems:
         for column in ("tok/s", "TTFT mean/p99 ms", "TPOT mean/p99 ms"):
             table.add_column(f"{system} {column}", justify="right")
-    if {"ours", "vllm"} <= set(systems):
-        table.add_column("tok/s ours/vllm", justify="right")
-        table.add_column("TTFT p99 ours/vllm", justify="right")
-    for case in args.cases:
-        for concurrency in args.concurrency:
-            row = [case, str(concurrency)]
-            for system in systems:
-                f = runs[system][1][(case, concurrency)]
-                row += [
-                    f"{f.output_tok_s:.1f}",
-                    f"{f.mean_ttft_ms:.0f} / {f.p99_ttft_ms:.0f}",
-                    f"{f.mean_tpot_ms:.1f} / {f.p99_tpot_ms:.1f}",
-                ]
-            if {"ours", "vllm"} <= set(systems):
-                ours, theirs = (
-                    runs["ours"][1][(case, concurrency)],
-                    runs["vllm"][1][(case, concurrency)],
-                )
-                row += [
-                    f"{ours.output_tok_s / theirs.output_tok_s:.2f}x",
-                    f"{ours.p99_ttft_ms / theirs.p99_ttft_ms:.2f}x",
-                ]
-            table.add_row(*row)
+    peers = [system for system in systems if system != "ours"] if "ours" in systems else []
+    for peer in peers:
+        table.add_column(f"tok/s ours/{peer}", justify="right")
+        table.add_column(f"TTFT p99 ours/{peer}", justify="right")
+    for case, concurrency in itertools.product(args.cases, args.concurrency):
+        figures = {system: runs[system][1][(case, concurrency)] for system in systems}
+        row = [case, str(concurrency)]
+        for f in figures.values():
+            row += [
+                f"{f.output_tok_s:.1f}",
+                f"{f.mean_ttft_ms:.0f} / {f.p99_ttft_ms:.0f}",
+                f"{f.mean_tpot_ms:.1f} / {f.p99_tpot_ms:.1f}",
+            ]
+        ours = figures.get("ours")
+        for peer in peers:
+            row += [
+                f"{ours.output_tok_s / figures[peer].output_tok_s:.2f}x",
+                f"{ours.p99_ttft_ms / figures[peer].p99_ttft_ms:.2f}x",
+            ]
+        table.add_row(*row)
     console.print(table)
     for system in systems:
-        console.print(f"start-up {system}: {runs[system][0]:.0f} s")
-    console.print(f"results and logs in {out_dir}")
+        weights = f"{args.dtype}, dequantised from the bundled GGUF"
+        if system == "llamacpp":
+            gguf = find_default_gguf()
+            weights = f"{args.llamacpp.label}, the bundled GGUF itself ({gguf_file_type(gguf)})"
+        console.print(f"{system}: {weights}; start-up {runs[system][0]:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=None, help="default: ours,vllm + llamacpp if built")
+    parser.add_argument("--cases", default="128x128,1024x128", help="INPUTxOUTPUT,...")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--prompts-per-stream", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--llamacpp-server", choices=KINDS, default=None, help="default: native if built"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="results and logs (default: tmp)")
+    args = parser.parse_args()
+    args.cases = args.cases.split(",")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.llamacpp = find_server(args.llamacpp_server)
+    systems = choose_systems(args)
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="vllm-aot-perf-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = prepare_default_model()
+    runs = {system: measure(system, model, args, out_dir) for system in systems}
+    print_table(runs, systems, args)
+    print(f"results and logs in {out_dir}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,17 +69,31 @@ class ProxyLatency:
     added_p90_ms: float  # p90 of (proxied - direct) over alternated pairs
 
 
-def run_vllm_bench(url: str, model_dir: Path, served_name: str, args, out_dir: Path, tag: str):
+def run_vllm_bench(
+    url: str,
+    model_dir: Path,
+    served_name: str,
+    args,
+    out_dir: Path,
+    tag: str,
+    *,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+):
+    """One `vllm bench serve` run against `url`; its result JSON as a dict.
+
+    `extra_args` go to `vllm bench serve` as they are (a server's quirks: headers, extra body).
+    """
     command = [
         sys.executable, str(VLLM_CLI), "bench", "serve", "--backend", "openai",
         "--base-url", url, "--endpoint", "/v1/completions", "--model", served_name,
         "--tokenizer", str(model_dir), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--ignore-eos", "--num-prompts", str(args.num_prompts),
-        "--max-concurrency", str(args.concurrency), "--seed", "0",
+        "--max-concurrency", str(args.concurrency), "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{tag}.json",
-        "--disable-tqdm",
+        "--disable-tqdm", *extra_args,
     ]  # fmt: skip
     with open(out_dir / f"{tag}-client.log", "wb") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)

@@ -42,15 +42,17 @@ def vllm_server_command(
     return command
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> float:
-    """Poll `url`/health until 200; raise if the process exits or time runs out."""
+def wait_healthy(
+    url: str, process: subprocess.Popen, timeout: float, health_path: str = "/health"
+) -> float:
+    """Poll `url` + `health_path` until 200; raise if the process exits or time runs out."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with code {process.returncode} during start-up")
         with (
             contextlib.suppress(OSError),
-            urllib.request.urlopen(f"{url}/health", timeout=2) as response,
+            urllib.request.urlopen(url + health_path, timeout=2) as response,
         ):
             if response.status == 200:
                 return time.monotonic() - start
@@ -78,8 +80,9 @@ def running_server(
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
     timeout: float = 300.0,
+    health_path: str = "/health",
 ) -> Iterator[str]:
-    """Start a server, yield its base URL once healthy, always stop it."""
+    """Start a server, yield its base URL once `health_path` answers 200, always stop it."""
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
         list(command), env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
@@ -87,7 +90,7 @@ def running_server(
     url = f"http://127.0.0.1:{port}"
     try:
         try:
-            wait_healthy(url, process, timeout)
+            wait_healthy(url, process, timeout, health_path)
         except (RuntimeError, TimeoutError) as exc:
             tail = Path(log_path).read_text(errors="replace")[-6000:] if log_path else ""
             raise RuntimeError(f"{exc}; log tail:\n{tail}") from None
