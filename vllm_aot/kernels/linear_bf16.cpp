@@ -114,6 +114,33 @@ inline void gemv_block(const float* x, int64_t ldx, const bf16* w, int64_t ldw, 
   }
 }
 
+// dot(x, w) for one weight row, x permuted by `permute16`: four independent sums, and the row
+// read front to back with the next kilobyte prefetched (one batch-1 decode step reads every
+// weight once, so this loop runs at memory speed or not at all).
+inline float gemv_row(const float* x, const bf16* w, int64_t k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + 512), _MM_HINT_T0);
+    __m256 l0, h0, l1, h1;
+    load16(w + i, l0, h0);
+    load16(w + i + 16, l1, h1);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), l0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), h0, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), l1, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), h1, a3);
+  }
+  for (; i + 16 <= k; i += 16) {
+    __m256 l0, h0;
+    load16(w + i, l0, h0);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), l0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), h0, a1);
+  }
+  float s = sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < k; ++i) s += x[i] * static_cast<float>(w[i]);
+  return s;
+}
+
 template <int B>
 void gemv_tile(const float* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t rows, int64_t k,
                bf16* out, int64_t ldo) {
@@ -158,14 +185,22 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0 || n == 0) return out;
-  const at::Tensor xf = xs.to(at::kFloat).contiguous();
-  const at::Tensor wc = w.contiguous();
-  const float* xp = xf.data_ptr<float>();
+  const at::Tensor xc = xs.contiguous(), wc = w.contiguous();
+  std::vector<float> widened_x(m * k);
+  const bf16* xb16 = xc.data_ptr<bf16>();
+  for (int64_t i = 0; i < m * k; ++i) widened_x[i] = static_cast<float>(xb16[i]);
+  const float* xp = widened_x.data();
   const bf16* wp = wc.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   if (m <= 2) {  // bound by reading the weights once: widen them in registers
     std::vector<float> xperm(m * k);
     for (int64_t b = 0; b < m; ++b) permute16(xp + b * k, k, xperm.data() + b * k);
+    if (m == 1) {
+      at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) op[r] = bf16(gemv_row(xperm.data(), wp + r * k, k));
+      });
+      return out;
+    }
     at::parallel_for(0, (n + kDirectRows - 1) / kDirectRows, 1, [&](int64_t begin, int64_t end) {
       const int64_t r0 = begin * kDirectRows, rows = std::min(end * kDirectRows, n) - r0;
       if (m == 1) gemv_tile<1>(xperm.data(), k, wp + r0 * k, k, rows, k, op + r0, n);
