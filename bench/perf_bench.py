@@ -12,7 +12,8 @@ serve` (programs from the compile cache); vLLM's is the same vLLM with our plugi
 (`VLLM_PLUGINS=none`) at its better core setting (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`,
 docs/benchmarking.md); llama.cpp is the build of scripts/setup_llamacpp.sh serving the bundled
 GGUF itself (bench/llamacpp.py: which server, its quirks), included by default when built. Prints
-output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios.
+output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios, and for ours the
+padding waste of each run (decode rows and prefill tokens, from our counters on /metrics).
 """
 
 from __future__ import annotations
@@ -114,6 +115,33 @@ def full_length_figures(result: dict, output_len: int) -> Figures:
     )
 
 
+def padding_counters(url: str) -> dict[tuple[str, str, str], float]:
+    """Our bucket counters from /metrics: (series, kind, slot) -> value."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = {}
+    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=10).text):
+        if family.name in ("vllm_aot:bucket_rows", "vllm_aot:bucket_tokens"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (family.name.split(":")[1], sample.labels["kind"], sample.labels["slot"])
+                    counters[key] = sample.value
+    return counters
+
+
+def padding_waste(before: dict, after: dict) -> str:
+    """`decode rows 12 % padding, prefill tokens 30 % padding` for the counters' difference."""
+    parts = []
+    for series, kind in (("bucket_rows", "decode"), ("bucket_tokens", "prefill")):
+        real, pad = (after.get((series, kind, s), 0) - before.get((series, kind, s), 0)
+                     for s in ("real", "padding"))  # fmt: skip
+        if real + pad:
+            what = series.split("_")[1]
+            parts.append(f"{kind} {what} {100 * pad / (real + pad):.0f} % padding")
+    return ", ".join(parts)
+
+
 def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]:
     port = free_port()
     spec = server(system, model, port, args)
@@ -139,6 +167,7 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
             )
             tag = f"{system}-{case}-c{concurrency}"
             detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
+            counters = padding_counters(url) if system == "ours" else {}
             r = run_vllm_bench(
                 url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
                 seed=seed, extra_args=(*spec.bench_args, *detailed),
@@ -157,6 +186,9 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
                     mean_tpot_ms=r["mean_tpot_ms"],
                     p99_tpot_ms=r["p99_tpot_ms"],
                 )
+            if system == "ours":
+                time.sleep(1.5)  # the worker writes its counters about once a second
+                print(f"{tag}: {padding_waste(counters, padding_counters(url))}")
     return startup, results
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_aot.serve.cli import main
+from vllm_aot.serve.cli import build_parser, main, reclaim_flag_value
 from vllm_aot.serve.cores import format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.metrics import label_sample
 from vllm_aot.serve.replicas import RestartPolicy
@@ -159,3 +159,19 @@ def test_serve_picks_the_registry_configuration_that_matches_the_flags(tmp_path,
     assert chosen.vllm_args == ("--max-num-seqs", "32", "--max-model-len", "512", "--dtype",
                                 "bfloat16")  # fmt: skip
     assert chosen.additional_config["decode_batch_buckets"] == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.parametrize(
+    ("argv", "model", "passed"),
+    [
+        (["serve", "--profiler-config", '{"profiler": "torch"}'], None,
+         ["--profiler-config", '{"profiler": "torch"}']),
+        (["serve", "--profiler-config={}", "."], ".", ["--profiler-config={}"]),
+        (["serve", ".", "--enable-prefix-caching"], ".", ["--enable-prefix-caching"]),
+    ],
+)  # fmt: skip
+def test_serve_gives_a_passed_through_flag_its_value_back(argv, model, passed):
+    """argparse takes a value of a vLLM flag it does not know for the optional model."""
+    args, unknown = build_parser().parse_known_args(argv)
+    reclaim_flag_value(argv, args, unknown)
+    assert args.model == model and unknown == passed

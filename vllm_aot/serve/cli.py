@@ -337,10 +337,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def reclaim_flag_value(argv: list[str], args, unknown: list[str]) -> None:
+    """Give back a passed-through flag's value that argparse took for the model.
+
+    `serve --profiler-config '{"profiler": "torch"}'`: argparse does not know vLLM's flag, so its
+    value looks like the optional model positional. A value that follows an unknown `--flag`
+    (without `=`) and is not a directory goes back behind that flag.
+    """
+    model = getattr(args, "model", None)
+    if model is None or model not in argv or Path(model).exists():
+        return
+    before = argv[argv.index(model) - 1] if argv.index(model) > 0 else ""
+    if before.startswith("--") and "=" not in before and before in unknown:
+        unknown.insert(unknown.index(before) + 1, model)
+        args.model = None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if getattr(args, "passes_unknown", False):
+        reclaim_flag_value(argv, args, unknown)
         return args.func(args, unknown)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
