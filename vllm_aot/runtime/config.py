@@ -20,7 +20,7 @@ class RuntimeConfig:
     Buckets left empty get defaults: decode batches 1, 2, 4, ... max_num_seqs; decode contexts
     256, 1024, ... max_model_len tokens; prefill chunks 32, 128, ... max_num_batched_tokens tokens
     (factors of four: each program costs ~10 s of compile, padding costs less); prefill contexts
-    256 and max_model_len tokens.
+    256, 1024, ... max_model_len tokens (prefill attention reads its whole context bucket).
     """
 
     max_num_seqs: int = 32
@@ -61,9 +61,11 @@ class RuntimeConfig:
                 self.max_model_len,
             ),
             # A fresh prompt reads no cache: a small bucket spares it attending over
-            # max_model_len padded keys (3x faster 512-token prefill on SmolLM2 fp32).
+            # max_model_len padded keys (3x faster 512-token prefill on SmolLM2 fp32). Later
+            # chunks of a long prompt read what earlier chunks wrote: the second 512-token chunk
+            # of a 1024-token prompt attends over 1024 + 512 keys, not 2048 + 512.
             "prefill_context_buckets": (
-                tuple(sorted({min(256, self.max_model_len), self.max_model_len})),
+                _by_fours(256, self.max_model_len),
                 self.max_model_len,
             ),
         }
