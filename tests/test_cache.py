@@ -268,7 +268,7 @@ def test_cleanup_removes_failures_stale_locks_and_other_versions(tmp_path):
     assert len(cache.local.entry_keys()) == len(NAMES) - 1
 
 
-def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None):
+def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None, created=0.0):
     from vllm_aot.cache.keys import cpu_target, versions
 
     runtime = {
@@ -286,6 +286,7 @@ def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None):
         tensor_parallel_size=tp,
         torch=torch_version or versions()["torch"],
         vllm_aot=versions()["vllm_aot"],
+        created=created,
     )
 
 
@@ -305,3 +306,13 @@ def test_selection_prefers_tp_then_batch_then_length_among_exact_matches():
     assert best.runtime["max_num_seqs"] == 8 and "max_model_len=4096" in why
     best, why = select_configuration(entries, {"dtype": "float32"}, num_cores=2)
     assert best is None and "none of 5 cached configurations" in why
+
+
+def test_selection_takes_the_newest_of_equal_shapes():
+    """Equal TP, batch and length differ in their buckets: the one compiled last is served."""
+    older, newer = _entry(batch=32, created=1.0), _entry(batch=32, created=2.0)
+    older.runtime["prefill_context_buckets"] = [256, 2048]
+    newer.runtime["prefill_context_buckets"] = [256, 1024, 2048]
+    for entries in ([older, newer], [newer, older]):
+        best, why = select_configuration(entries, {}, num_cores=2)
+        assert best is newer and "then newest" in why

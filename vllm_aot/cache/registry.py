@@ -145,16 +145,22 @@ def _load(payload: dict[str, Any], location: str) -> CompiledConfiguration:
     return CompiledConfiguration(**{**known, "location": location})
 
 
-def _preference(entry: CompiledConfiguration) -> tuple[int, int, int]:
+def _preference(entry: CompiledConfiguration) -> tuple[int, int, int, float]:
+    """Largest TP, batch, length; among equals (they differ in buckets) the newest compiled."""
     runtime = entry.runtime
-    return (entry.tensor_parallel_size, runtime["max_num_seqs"], runtime["max_model_len"])
+    return (
+        entry.tensor_parallel_size,
+        runtime["max_num_seqs"],
+        runtime["max_model_len"],
+        entry.created,
+    )
 
 
 def select_configuration(
     entries: list[CompiledConfiguration], requested: dict[str, Any], *, num_cores: int
 ) -> tuple[CompiledConfiguration | None, str]:
     """The configuration to serve, and why: exact matches on every field in `requested`, loadable
-    here, TP within `num_cores`; then the largest TP, then batch, then length."""
+    here, TP within `num_cores`; then the largest TP, then batch, then length, then the newest."""
     pinned = {k: v for k, v in requested.items() if v is not None}
     unknown = set(pinned) - set(SELECTABLE)
     if unknown:
@@ -174,7 +180,7 @@ def select_configuration(
     return best, (
         f"cached configuration {best.name} ({best.location}): exact match on "
         f"{', '.join(f'{k}={v}' for k, v in pinned.items()) or 'nothing requested'}; "
-        f"{len(fitting)} candidates, largest TP, then batch, then length chosen for "
+        f"{len(fitting)} candidates, largest TP, then batch, then length, then newest chosen for "
         f"{', '.join(open_fields)}"
     )
 
