@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import vllm_aot
-from vllm_aot.kernels import attention_impl, linear_impl
+from vllm_aot.kernels import program_kernels
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey
@@ -77,7 +77,7 @@ def program_fingerprint(arch: ModelArch, config: RuntimeConfig, key: ProgramKey)
         "runtime": {name: shapes[name] for name in _PROGRAM_FIELDS},
         "backend": "inductor",
         "flags": compiler_flags(),
-        "kernels": {"linear": linear_impl(config.torch_dtype), "attention": attention_impl()},
+        "kernels": program_kernels(config.torch_dtype),
         "target": cpu_target(),
         **versions(),
     }

@@ -37,7 +37,9 @@ from vllm_aot.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("linear_bf16.cpp", "decode_attention.cpp")]
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "linear_bf16.cpp", _HERE / "decode_attention.cpp"]
+_HEADERS = [_HERE / "avx2.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # The ops' contracts, named in the cache key of every program that calls them.
 LINEAR_BF16 = "vllm_aot.linear_bf16/1"
@@ -70,6 +72,17 @@ def linear_impl(dtype: torch.dtype) -> str:
 def attention_impl() -> str:
     """The decode attention our programs use: the kernel wherever kernels build."""
     return DECODE_ATTENTION if kernels_enabled() else TORCH
+
+
+def program_kernels(dtype: torch.dtype) -> dict[str, str]:
+    """What a program of `dtype` calls on this CPU (its cache key names it)."""
+    return {"linear": linear_impl(dtype), "attention": attention_impl()}
+
+
+def load_used(dtype: torch.dtype) -> None:
+    """Load the library when programs of `dtype` call any of our ops (before loading one)."""
+    if program_kernels(dtype) != {"linear": ATEN, "attention": TORCH}:
+        load()
 
 
 def linear_fn(impl: str):
@@ -107,7 +120,7 @@ def _kernel_decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, cont
 
 
 def build_dir() -> Path:
-    blob = b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()
+    blob = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
     blob += torch.__version__.encode()
     return cache_root() / "kernels" / hashlib.sha256(blob).hexdigest()[:16]
 

@@ -17,14 +17,12 @@
 #include <limits>
 #include <vector>
 
+#include "avx2.h"
+
 namespace {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+using vllm_aot::load8;
+using vllm_aot::sum8;
 
 // Vectorised by hand: the compiler may not reorder a float sum on its own.
 template <typename T>
@@ -32,15 +30,12 @@ inline float dot(const float* q, const T* k, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float total = _mm_cvtss_f32(s);
+  float total = sum8(acc);
   for (; i < d; ++i) total += q[i] * static_cast<float>(k[i]);
   return total;
 }
 
-// acc[0:d] (D = d / 8 vectors, in registers) += sum over t < n of p[t] * value(t)[0:d].
+// out[0:d] = sum over t < n of p[t] * value(t)[0:d], accumulated in D = d / 8 registers.
 template <int D, typename T, typename Value>
 inline void weighted_sum(const float* p, int64_t n, Value value, float* out) {
   __m256 acc[D];
@@ -53,6 +48,7 @@ inline void weighted_sum(const float* p, int64_t n, Value value, float* out) {
   for (int j = 0; j < D; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
 }
 
+// The same for any d: in registers for the common head sizes, a plain loop otherwise.
 template <typename T, typename Value>
 inline void weighted_sum_any(const float* p, int64_t n, Value value, int64_t d, float* out) {
   switch (d) {
@@ -85,7 +81,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
-  const bool vector_dim = d % 8 == 0;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(d), scores(group * (max_keys + 1));
     for (int64_t item = begin; item < end; ++item) {
@@ -114,15 +109,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         const float inv = 1.f / total;
         for (int64_t t = 0; t <= len; ++t) s[t] *= inv;
         auto value = [&](int64_t t) { return at(vp, vnp, t); };
-        if (vector_dim) {
-          weighted_sum_any<T>(s, len + 1, value, d, acc.data());
-        } else {
-          std::fill(acc.begin(), acc.end(), 0.f);
-          for (int64_t t = 0; t <= len; ++t) {
-            const T* v = value(t);
-            for (int64_t i = 0; i < d; ++i) acc[i] += s[t] * static_cast<float>(v[i]);
-          }
-        }
+        weighted_sum_any<T>(s, len + 1, value, d, acc.data());
         T* dst = op + r * heads * d + (h * group + g) * d;
         for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i]);
       }

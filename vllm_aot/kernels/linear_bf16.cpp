@@ -1,10 +1,9 @@
 // y = x @ w.T for bfloat16 x [M, K] and w [N, K]: fp32 accumulation, bfloat16 result.
 //
 // For CPUs without native bfloat16 arithmetic (AVX2 + FMA), where aten's bfloat16 matmul runs
-// far below memory bandwidth. A bfloat16 is the top half of a float32, so widening is one shift.
-// Each thread takes tiles of kRows weight rows; a tile's rows are widened once into a small
-// float32 buffer (L1-resident) and reused for every activation row, kBatch rows at a time with
-// kBatch x kRows accumulators in registers. With one or two activation rows (decode at batch 1)
+// far below memory bandwidth. Each thread takes tiles of kRows weight rows; a tile's rows are
+// widened once into a small float32 buffer (L1-resident) and reused for every activation row,
+// kBatch rows at a time with kBatch x kRows accumulators in registers. With one or two activation rows (decode at batch 1)
 // the weights are widened straight from memory instead: that case is bound by reading them once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,31 +16,21 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
+using vllm_aot::load8;
+using vllm_aot::sum8;
 constexpr int64_t kRows = 4;        // weight rows per widened tile
 constexpr int64_t kBatch = 3;       // activation rows per register block
 constexpr int64_t kDirectRows = 8;  // weight rows per tile when read straight from memory
 constexpr int64_t kRowBlock = 128;  // activation rows per pass (keeps them in L2)
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const bf16* p) {
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
-// out[b][r] = dot(x[b], w[r]) for B activation rows and R weight rows of length k.
-template <int B, int R, typename W>
-inline void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, bf16* out,
+// out[b][r] = dot(x[b], w[r]) for B activation rows and R widened weight rows of length k.
+template <int B, int R>
+inline void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, bf16* out,
                   int64_t ldo) {
   __m256 acc[B][R];
   for (int b = 0; b < B; ++b)
@@ -58,7 +47,7 @@ inline void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
   for (int b = 0; b < B; ++b) {
     for (int r = 0; r < R; ++r) {
       float s = sum8(acc[b][r]);
-      for (int64_t j = i; j < k; ++j) s += x[b * ldx + j] * static_cast<float>(w[r * ldw + j]);
+      for (int64_t j = i; j < k; ++j) s += x[b * ldx + j] * w[r * ldw + j];
       out[b * ldo + r] = bf16(s);
     }
   }
@@ -141,16 +130,16 @@ inline float gemv_row(const float* x, const bf16* w, int64_t k) {
   return s;
 }
 
-template <int B>
-void gemv_tile(const float* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t rows, int64_t k,
-               bf16* out, int64_t ldo) {
+// Two activation rows against `rows` weight rows, four weight rows at a time.
+void gemv2_tile(const float* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t rows, int64_t k,
+                bf16* out, int64_t ldo) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) gemv_block<B, 4>(x, ldx, w + r * ldw, ldw, k, out + r, ldo);
-  for (; r < rows; ++r) gemv_block<B, 1>(x, ldx, w + r * ldw, ldw, k, out + r, ldo);
+  for (; r + 4 <= rows; r += 4) gemv_block<2, 4>(x, ldx, w + r * ldw, ldw, k, out + r, ldo);
+  for (; r < rows; ++r) gemv_block<2, 1>(x, ldx, w + r * ldw, ldw, k, out + r, ldo);
 }
 
-template <int R, typename W>
-void rows_block(const float* x, int64_t ldx, int64_t m, const W* w, int64_t ldw, int64_t k,
+template <int R>
+void rows_block(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k,
                 bf16* out, int64_t ldo) {
   int64_t b = 0;
   for (; b + kBatch <= m; b += kBatch)
@@ -159,14 +148,10 @@ void rows_block(const float* x, int64_t ldx, int64_t m, const W* w, int64_t ldw,
   if (m - b == 1) block<1, R>(x + b * ldx, ldx, w, ldw, k, out + b * ldo, ldo);
 }
 
-template <typename W>
-void tile(const float* x, int64_t ldx, int64_t m, const W* w, int64_t ldw, int64_t rows,
+// m activation rows against a widened tile of `rows` <= kRows weight rows.
+void tile(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t rows,
           int64_t k, bf16* out, int64_t ldo) {
   switch (rows) {
-    case 8: return rows_block<8>(x, ldx, m, w, ldw, k, out, ldo);
-    case 7: return rows_block<7>(x, ldx, m, w, ldw, k, out, ldo);
-    case 6: return rows_block<6>(x, ldx, m, w, ldw, k, out, ldo);
-    case 5: return rows_block<5>(x, ldx, m, w, ldw, k, out, ldo);
     case 4: return rows_block<4>(x, ldx, m, w, ldw, k, out, ldo);
     case 3: return rows_block<3>(x, ldx, m, w, ldw, k, out, ldo);
     case 2: return rows_block<2>(x, ldx, m, w, ldw, k, out, ldo);
@@ -203,8 +188,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
     }
     at::parallel_for(0, (n + kDirectRows - 1) / kDirectRows, 1, [&](int64_t begin, int64_t end) {
       const int64_t r0 = begin * kDirectRows, rows = std::min(end * kDirectRows, n) - r0;
-      if (m == 1) gemv_tile<1>(xperm.data(), k, wp + r0 * k, k, rows, k, op + r0, n);
-      else gemv_tile<2>(xperm.data(), k, wp + r0 * k, k, rows, k, op + r0, n);
+      gemv2_tile(xperm.data(), k, wp + r0 * k, k, rows, k, op + r0, n);
     });
     return out;
   }

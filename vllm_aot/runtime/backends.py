@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_aot.kernels import attention_impl, decode_attention_fn, linear_fn, linear_impl
+from vllm_aot.kernels import load_used
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, build_module, dynamic_shapes, example_inputs
@@ -64,8 +64,7 @@ def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, pat
 
 def load_program(path: Path, config: RuntimeConfig) -> Program:
     """A compiled package; the kernels it calls by name are loaded into the process first."""
-    linear_fn(linear_impl(config.torch_dtype))
-    decode_attention_fn(attention_impl())
+    load_used(config.torch_dtype)
     return torch._inductor.aoti_load_package(str(path))
 
 
