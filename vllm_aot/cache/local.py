@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_aot.files import write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 PROGRAM_FILE = "program.pt2"
@@ -56,12 +58,6 @@ def pid_alive(pid: int) -> bool:
     except OSError as exc:
         return exc.errno == errno.EPERM
     return True
-
-
-def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    staging.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    os.replace(staging, path)
 
 
 @dataclass(frozen=True)
@@ -126,7 +122,7 @@ class LocalCache:
         path = self.entries_dir / f".staging-{key}-{os.getpid()}"
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
-        _write_json_atomic(path / OWNER_FILE, LockOwner.me().__dict__)
+        write_json_atomic(path / OWNER_FILE, LockOwner.me().__dict__)
         return path
 
     def commit(self, key: str, staging: Path, meta: dict[str, Any]) -> Path:
@@ -140,7 +136,7 @@ class LocalCache:
             "created": time.time(),
             "host": socket.gethostname(),
         }
-        _write_json_atomic(staging / META_FILE, meta)
+        write_json_atomic(staging / META_FILE, meta)
         (staging / OWNER_FILE).unlink(missing_ok=True)
         target = self.entry_dir(key)
         try:
@@ -251,7 +247,7 @@ class LocalCache:
                 key,
                 previous.describe(),
             )
-        _write_json_atomic(path.with_suffix(".owner"), LockOwner.me().__dict__)
+        write_json_atomic(path.with_suffix(".owner"), LockOwner.me().__dict__)
         for abandoned in self.abandoned_staging(key):
             shutil.rmtree(abandoned, ignore_errors=True)
         return handle
@@ -272,7 +268,7 @@ class LocalCache:
             "time": time.time(),
             "host": socket.gethostname(),
         }
-        _write_json_atomic(self.failed_dir / f"{key}.json", payload)
+        write_json_atomic(self.failed_dir / f"{key}.json", payload)
 
     def failure(self, key: str) -> dict[str, Any] | None:
         try:

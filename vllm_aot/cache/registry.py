@@ -10,7 +10,6 @@ matches on what the user asked for, then prefers the largest TP, then batch, the
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from vllm_aot.cache.keys import arch_digest, cpu_target, digest, versions
 from vllm_aot.cache.remote import RemoteStore, get_json, put_json
+from vllm_aot.files import write_json_atomic
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 
@@ -98,9 +98,7 @@ class Registry:
     def record(self, entry: CompiledConfiguration, *, push: bool = False) -> None:
         path = self.cache_root / self._object(entry)
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        staging.write_text(json.dumps(entry.to_json(), indent=2, sort_keys=True))
-        os.replace(staging, path)
+        write_json_atomic(path, entry.to_json())
         if push and self.remote is not None:
             put_json(self.remote, self._object(entry), entry.to_json())
 

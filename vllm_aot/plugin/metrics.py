@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from vllm_aot.files import write_json_atomic
 from vllm_aot.runtime.loader import LoadReport
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.step_stats import LAYER_KINDS
@@ -73,12 +73,6 @@ def model_stats(model: CompiledModel) -> dict[str, Any]:
         ],
         "steps": model.step_stats.to_dict(),
     }
-
-
-def _write_atomically(path: Path, stats: dict[str, Any]) -> None:
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    staging.write_text(json.dumps(stats))
-    os.replace(staging, path)
 
 
 class StatsFile:
@@ -129,7 +123,7 @@ class StatsFile:
 
     def _write(self, steps: dict[str, Any]) -> None:
         try:
-            _write_atomically(self.path, {"load": self._load, **steps})
+            write_json_atomic(self.path, {"load": self._load, **steps})
         except OSError as exc:
             logger.warning("vllm-aot: could not write the stats file %s: %s", self.path, exc)
             return

@@ -28,6 +28,7 @@ import torch
 import vllm_aot
 from vllm_aot.cache.keys import arch_digest
 from vllm_aot.cache.program_cache import ProgramCache
+from vllm_aot.files import write_json_atomic
 from vllm_aot.models.registry import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.loader import (
@@ -129,9 +130,7 @@ def export_model(
         "weights": {"copied": copy_weights, "source": str(model_dir)},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    staging = out_dir / f".{MANIFEST_NAME}.tmp"
-    staging.write_text(json.dumps(manifest, indent=2))
-    os.replace(staging, out_dir / MANIFEST_NAME)
+    write_json_atomic(out_dir / MANIFEST_NAME, manifest)
     return ExportReport(out_dir, report.compiled, time.perf_counter() - start)
 
 
