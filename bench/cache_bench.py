@@ -48,7 +48,7 @@ def _counter(metrics: str, name: str) -> int:
 
 def start_ours(name: str, env: dict[str, str], log_dir: Path) -> Start:
     port = free_port()
-    command = [sys.executable, "-m", "vllm_aot.serve.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--port", str(port)]
     log = log_dir / f"{name}.log"
     env = {"VLLM_LOGGING_LEVEL": "INFO", **env}
     start = time.monotonic()

@@ -63,7 +63,7 @@ class Server:
 
 def server(system: str, model: Path, port: int, args) -> Server:
     if system == "ours":
-        command = [sys.executable, "-m", "vllm_aot.serve.cli", "serve", "--port", str(port)]
+        command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--port", str(port)]
         return Server((*command, "--dtype", args.dtype))
     if system == "vllm":
         vllm_args = ["--served-model-name", DEFAULT_MODEL_NAME, "--max-model-len", "2048",

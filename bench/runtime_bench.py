@@ -22,8 +22,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from vllm_aot.loading.artifacts import export_model, is_artifact_dir
+from vllm_aot.loading.startup import load_model
 from vllm_aot.models.prepare import prepare_default_model
-from vllm_aot.runtime.artifacts import export_model, is_artifact_dir, load_artifact
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
@@ -128,7 +129,7 @@ def main() -> None:
             report = export_model(model_dir, artifact, config)
             compile_seconds, export_wall = report.compile_seconds, report.total_seconds
         start = time.perf_counter()
-        model, load_report = load_artifact(artifact, expected=config)
+        model, load_report = load_model(artifact, config)
         load_seconds = time.perf_counter() - start
 
         ours = {"prefill": time_ours_prefill(model, args.prefill_len, args.repeats)}

@@ -34,8 +34,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from vllm_aot.cli.main import resolve_model
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
-from vllm_aot.serve.cli import resolve_model
 from vllm_aot.serve.cores import available_cores, format_core_list, parse_core_list
 from vllm_aot.testing import free_port, running_server
 
@@ -132,7 +132,7 @@ def time_pairs(direct: str, proxied: str, request: str, num_pairs: int, served_n
 def measure(run: ServeRun, model_dir: Path, served_name: str, args, out_dir: Path):
     port = free_port()
     command = [
-        sys.executable, "-m", "vllm_aot.serve.cli", "serve",
+        sys.executable, "-m", "vllm_aot.cli.main", "serve",
         *([args.model] if args.model else []), "--port", str(port), "--backend", args.backend,
         *run.serve_args,
     ]  # fmt: skip

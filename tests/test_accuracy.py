@@ -8,20 +8,18 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
-from vllm_aot.accuracy.logits import (
+from vllm_aot.accuracy.comparison import (
     DEFAULT_TOLERANCES,
     Tolerance,
     compare_logits,
-    greedy_match,
     slice_passes,
-    teacher_forcing_sequences,
-    validate,
 )
+from vllm_aot.accuracy.logits import greedy_match, teacher_forcing_sequences, validate
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS, chat_prompt_token_ids
 from vllm_aot.accuracy.teacher_forcing import HFReference, our_logits
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.loader import load_model
 from vllm_aot.runtime.programs import ProgramKind
 
 FAMILIES = ("llama", "qwen2", "qwen3")

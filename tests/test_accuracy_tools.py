@@ -18,17 +18,17 @@ import torch
 
 from tests.helpers import tiny_config
 from vllm_aot.accuracy.capture import Capture, capture_hf, capture_ours
-from vllm_aot.accuracy.cli import parse_tolerances
 from vllm_aot.accuracy.compare import compare_captures
+from vllm_aot.accuracy.comparison import DEFAULT_TOLERANCES, Tolerance, parse_tolerances
 from vllm_aot.accuracy.kv_analysis import analyse_kv
-from vllm_aot.accuracy.logits import DEFAULT_TOLERANCES, Tolerance, validate
+from vllm_aot.accuracy.logits import validate
 from vllm_aot.accuracy.prompts import chat_prompt_token_ids
 from vllm_aot.accuracy.report import render_html
 from vllm_aot.accuracy.teacher_forcing import HFReference
+from vllm_aot.cli.main import main
+from vllm_aot.loading.startup import load_model
 from vllm_aot.models import layers
 from vllm_aot.runtime import inputs
-from vllm_aot.runtime.loader import load_model
-from vllm_aot.serve.cli import main
 
 TINY_CLI_CONFIG = [
     "--backend=eager",
@@ -299,7 +299,7 @@ def test_smollm_validate_command_passes_and_renders(default_model_dir, dtype, tm
     command = [
         sys.executable,
         "-m",
-        "vllm_aot.serve.cli",
+        "vllm_aot.cli.main",
         "validate",
         str(default_model_dir),
         "--backend=eager",

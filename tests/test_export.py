@@ -10,14 +10,13 @@ import torch
 
 from tests.helpers import tiny_config
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
-from vllm_aot.runtime.artifacts import (
+from vllm_aot.loading.artifacts import (
     MANIFEST_NAME,
     ArtifactMismatchError,
     export_model,
-    load_artifact,
 )
+from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
-from vllm_aot.runtime.loader import load_model
 from vllm_aot.runtime.sampler import SamplingParams
 
 # One bucket of each kind: four programs, about a minute of compile on two cores.
@@ -81,7 +80,7 @@ def test_a_second_export_takes_every_program_from_the_cache(
 
 def test_exported_directory_loads_without_compiling_and_matches_eager(exported, tiny_model_dir):
     out, _ = exported
-    compiled, report = load_artifact(out, expected=tiny_config(**COMPILED))
+    compiled, report = load_model(out, tiny_config(**COMPILED))
     assert report.compiled == {}
     assert len(report.loaded) == 4 and report.count("artifact") == 4
     eager, _ = load_model(tiny_model_dir, tiny_config(**{**COMPILED, "backend": "eager"}))
@@ -100,9 +99,8 @@ def test_exported_directory_loads_without_compiling_and_matches_eager(exported, 
 def test_loading_for_another_configuration_is_refused(exported):
     out, _ = exported
     with pytest.raises(ArtifactMismatchError, match=r"max_num_seqs=4 \(asked 8\)"):
-        load_artifact(
-            out,
-            expected=tiny_config(**{**COMPILED, "max_num_seqs": 8, "decode_batch_buckets": (8,)}),
+        load_model(
+            out, tiny_config(**{**COMPILED, "max_num_seqs": 8, "decode_batch_buckets": (8,)})
         )
 
 
@@ -114,7 +112,7 @@ def test_loading_an_artifact_from_another_torch_is_refused(exported, tmp_path):
     manifest["torch_version"] = "1.0.0"
     (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ArtifactMismatchError, match=r"torch 1\.0\.0 \(this is 2\.13"):
-        load_artifact(copy)
+        load_model(copy)
 
 
 def test_an_incomplete_export_is_not_loadable(exported, tmp_path):
@@ -123,10 +121,10 @@ def test_an_incomplete_export_is_not_loadable(exported, tmp_path):
     shutil.copytree(out, copy)
     (copy / "programs" / "decode_b4_c256.pt2").unlink()
     with pytest.raises(FileNotFoundError, match="decode_b4_c256"):
-        load_artifact(copy)
+        load_model(copy)
     (copy / MANIFEST_NAME).unlink()
     with pytest.raises(FileNotFoundError, match="not an exported vllm-aot artifact"):
-        load_artifact(copy)
+        load_model(copy)
 
 
 def test_export_refuses_the_eager_backend(tiny_model_dir, tmp_path):

@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
 from vllm_aot.plugin.metrics import StatsCollector, StatsFile, model_stats
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import BlockAllocator
-from vllm_aot.runtime.loader import load_model
 from vllm_aot.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0).normalized()

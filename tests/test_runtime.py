@@ -7,10 +7,10 @@ import torch
 import transformers
 
 from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import DUMMY_BLOCK, BlockAllocator
-from vllm_aot.runtime.loader import load_model
 from vllm_aot.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0).normalized()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.inputs import RowSampling, prepare_sampling
-from vllm_aot.runtime.loader import load_model
 from vllm_aot.runtime.sampler import SamplingParams, greedy_sample, random_sample
 
 VOCAB = 1000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_aot.serve.cli import build_parser, main, reclaim_flag_value
+from vllm_aot.cli.main import build_parser, main, reclaim_flag_value
 from vllm_aot.serve.cores import format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.metrics import label_sample
 from vllm_aot.serve.replicas import RestartPolicy

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from vllm_aot.processes import free_port  # noqa: F401 (tests take it from here)
 
 
 def vllm_server_command(

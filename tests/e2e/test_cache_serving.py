@@ -20,7 +20,7 @@ BUCKETS = {"decode_batch_buckets": [4], "prefill_token_buckets": [64]}
 
 def vllm_aot(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "vllm_aot.serve.cli", *args],
+        [sys.executable, "-m", "vllm_aot.cli.main", *args],
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,

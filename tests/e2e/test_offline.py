@@ -18,8 +18,8 @@ import pytest
 
 from tests.e2e.offline_llm import RESULT_PREFIX
 from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
-from vllm_aot.runtime.loader import load_model
 
 SCRIPT = Path(__file__).with_name("offline_llm.py")
 # The same shapes as tiny_config(): 4 rows, 256 tokens, blocks of 16, 64-token prefill chunks.

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def serve_command(model_dir, port, *args):
-    return [sys.executable, "-m", "vllm_aot.serve.cli", "serve", str(model_dir),
+    return [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model_dir),
             "--backend", "eager", "--port", str(port), *SHAPES, *args]  # fmt: skip
 
 

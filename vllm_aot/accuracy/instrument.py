@@ -11,10 +11,11 @@ it with the residuals), so instrumenting can never change what it measures.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from vllm_aot.accuracy.capture import CaptureTap
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.layers import project_qkv, rms_norm
 from vllm_aot.runtime.config import RuntimeConfig
@@ -23,11 +24,17 @@ from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import Layer, ProgramKind, unflatten_weights
 
 
+class SublayerSink(Protocol):
+    """Receives the sub-layer tensors of the layer that runs (a `capture.CaptureTap`)."""
+
+    def sublayer(self, suffix: str, tensor: torch.Tensor) -> None: ...
+
+
 class InstrumentedLayer(Layer):
     """`programs.Layer` plus sub-layer reports to `tap` (same signature and outputs)."""
 
     def __init__(
-        self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool, tap: CaptureTap
+        self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool, tap: SublayerSink
     ) -> None:
         super().__init__(arch, config, is_prefill=is_prefill)
         self.tap = tap
@@ -47,7 +54,7 @@ class InstrumentedLayer(Layer):
         return out, k, v
 
 
-def instrumented_model(model: CompiledModel, tap: CaptureTap, num_tokens: int) -> CompiledModel:
+def instrumented_model(model: CompiledModel, tap: SublayerSink, num_tokens: int) -> CompiledModel:
     """An eager copy of `model` (same weights, head programs and config) whose layer programs
     report sub-layer tensors to `tap`, with its own KV pool sized for one `num_tokens` sequence.
     """

@@ -8,33 +8,7 @@ when the prompt is longer than the largest prefill bucket; continuation position
 programs, one token per step, the sequences sharing decode batches that they join and leave at
 different steps (so batch buckets above 1 with padded rows run too).
 
-Comparison, per position and per top-k slice: the slice "top k" is the k tokens with the largest
-*reference* logits at that position (`None` = the whole vocabulary). A slice passes at a position
-when every token in it satisfies
-
-    |ours - ref| <= atol + rtol * max|ref|      (max over the slice's tokens at that position)
-
-and we report the ratio max|ours - ref| / (atol + rtol * max|ref|): at most 1 means within
-tolerance, and its size says by how much a failing slice misses. The scale is the slice's largest
-logit, not each logit's own size (the convention of torch-neuronx's logit validation, where the
-default tolerances come from): logits are only defined up to a common shift, and measured against
-|ref| itself every logit near zero would fail even between two exact fp32 implementations.
-
-Three-way mode (for a served dtype below fp32, e.g. bfloat16): baseline = HF in fp32, expected =
-HF in the served dtype, target = ours in the served dtype; ratios of target vs baseline and of
-expected vs baseline are taken at every position of every prompt. A slice passes when
-
-    worst target ratio <= 1
-    or (mean target ratio <= 1.1 * mean expected ratio
-        and worst target ratio <= 1.5 * worst expected ratio)
-
-that is: within tolerance of fp32 outright, or no further from fp32 than HF's own implementation
-in the same dtype, on average (10 % slack) and in the worst case (50 % slack). Reduced precision
-alone is never held against us; an error of our own is, whether it is spread over every position
-(the mean moves) or confined to a few (the worst case moves). The two statistics get different
-slack because a worst case over a few hundred positions is itself noisy: with identical error
-distributions (same mean and quantiles) the worst cases of two bf16 implementations differ by up
-to ~20 % on SmolLM2, so comparing worst cases with 10 % slack would fail at random.
+The comparison rule and tolerances are in `comparison.py`.
 
 `greedy_match` checks free-running output: our Generator's greedy tokens against
 `hf_model.generate(do_sample=False)`, both ignoring EOS so they run the full length.
@@ -45,10 +19,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 
+from vllm_aot.accuracy.comparison import (
+    DEFAULT_TOLERANCES,
+    LogitComparison,
+    Tolerance,
+    compare_logits,
+    ordered_slices,
+    slice_label,
+    slice_passes,
+)
 from vllm_aot.accuracy.teacher_forcing import (
     HFReference,
     TokenIds,
@@ -56,147 +38,6 @@ from vllm_aot.accuracy.teacher_forcing import (
 )
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.model import CompiledModel
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """|ours - ref| <= atol + rtol * max|ref| for every token of a slice (see module docstring)."""
-
-    atol: float
-    rtol: float
-
-
-# top k (None = every token) -> tolerance; tighter for the tokens that matter most.
-DEFAULT_TOLERANCES: Mapping[int | None, Tolerance] = MappingProxyType(
-    {
-        5: Tolerance(1e-5, 0.011),
-        50: Tolerance(1e-5, 0.02),
-        1000: Tolerance(1e-5, 0.03),
-        None: Tolerance(1e-5, 0.05),
-    }
-)
-
-# Three-way rule: how much further from fp32 than HF's own reduced-precision run ours may be.
-EXPECTED_MEAN_SLACK = 1.1
-EXPECTED_WORST_SLACK = 1.5
-
-
-def slice_label(top_k: int | None) -> str:
-    """How a slice is named in reports: 'top 5', ..., 'all'."""
-    return "all" if top_k is None else f"top {top_k}"
-
-
-def _ordered(tolerances: Mapping[int | None, Tolerance]) -> list[tuple[int | None, Tolerance]]:
-    """Slices from the narrowest to the whole vocabulary."""
-    return sorted(tolerances.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
-
-
-# --------------------------------------------------------------------------------------------
-# Comparison
-
-
-@dataclass(frozen=True)
-class SliceResult:
-    """One top-k slice of one sequence: how close `ours` is to `ref`, position by position."""
-
-    top_k: int | None  # None = whole vocabulary
-    tolerance: Tolerance
-    position_ratios: tuple[float, ...]  # per position: max|ours-ref| / (atol + rtol*max|ref|)
-    worst_ratio: float
-    worst_position: int
-    mean_ratio: float
-
-    @property
-    def passed(self) -> bool:
-        return self.worst_ratio <= 1.0
-
-
-@dataclass(frozen=True)
-class LogitComparison:
-    """Every slice of one teacher-forced sequence, and how often the argmax agrees."""
-
-    slices: tuple[SliceResult, ...]  # narrowest first, as `_ordered` sorts them
-    num_positions: int
-    num_greedy_agreements: int  # positions where argmax(ours) == argmax(ref)
-    passed: bool  # every slice within tolerance at every position
-
-    @property
-    def greedy_agreement(self) -> float:
-        return self.num_greedy_agreements / self.num_positions
-
-    def slice(self, top_k: int | None) -> SliceResult:
-        """The result for `top_k`; KeyError when it was not compared."""
-        for result in self.slices:
-            if result.top_k == top_k:
-                return result
-        raise KeyError(f"no slice {slice_label(top_k)}")
-
-
-def tolerance_ratios(
-    ours: torch.Tensor, ref: torch.Tensor, top_k: int | None, tolerance: Tolerance
-) -> torch.Tensor:
-    """[positions] max|ours-ref| / (atol + rtol * max|ref|) over the top-k tokens of `ref`.
-
-    NaN in `ours` gives an infinite ratio, so it can never pass.
-    """
-    if top_k is not None and top_k < ref.shape[-1]:
-        index = ref.topk(top_k, dim=-1).indices
-        ours, ref = ours.gather(-1, index), ref.gather(-1, index)
-    error = (ours.double() - ref.double()).abs().amax(dim=-1)
-    scale = tolerance.atol + tolerance.rtol * ref.double().abs().amax(dim=-1)
-    ratio = error / scale
-    return torch.where(ratio.isnan(), torch.inf, ratio)
-
-
-def compare_logits(
-    ours: torch.Tensor,
-    ref: torch.Tensor,
-    tolerances: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES,
-) -> LogitComparison:
-    """Compare [positions, vocab] logits per slice; `passed` iff every slice is in tolerance."""
-    if ours.shape != ref.shape:
-        raise ValueError(f"shape mismatch: ours {tuple(ours.shape)}, reference {tuple(ref.shape)}")
-    if ref.shape[0] == 0:
-        raise ValueError("no positions to compare")
-    ours, ref = ours.float(), ref.float()
-    slices = []
-    for top_k, tolerance in _ordered(tolerances):
-        ratios = tolerance_ratios(ours, ref, top_k, tolerance)
-        worst = int(ratios.argmax())
-        slices.append(
-            SliceResult(
-                top_k=top_k,
-                tolerance=tolerance,
-                position_ratios=tuple(ratios.tolist()),
-                worst_ratio=float(ratios[worst]),
-                worst_position=worst,
-                mean_ratio=float(ratios.mean()),
-            )
-        )
-    return LogitComparison(
-        slices=tuple(slices),
-        num_positions=ref.shape[0],
-        num_greedy_agreements=int((ours.argmax(-1) == ref.argmax(-1)).sum()),
-        passed=all(s.passed for s in slices),
-    )
-
-
-def slice_passes(
-    worst_ratio: float,
-    mean_ratio: float,
-    expected_worst_ratio: float | None = None,
-    expected_mean_ratio: float | None = None,
-) -> bool:
-    """The pass rule of the module docstring; no expected ratios = a two-way comparison."""
-    if worst_ratio <= 1.0:
-        return True
-    if expected_worst_ratio is None or expected_mean_ratio is None:
-        return False
-    return (
-        mean_ratio <= expected_mean_ratio * EXPECTED_MEAN_SLACK
-        and worst_ratio <= expected_worst_ratio * EXPECTED_WORST_SLACK
-    )
-
 
 # --------------------------------------------------------------------------------------------
 # Validation over prompts
@@ -337,7 +178,7 @@ def validate(
             hf_served = reference.logits(token_ids, dtype)
             expected.append(compare_logits(hf_served, baseline, tolerances))
     verdicts = []
-    for index, (top_k, tolerance) in enumerate(_ordered(tolerances)):
+    for index, (top_k, tolerance) in enumerate(ordered_slices(tolerances)):
         worst, prompt, position = _worst(target, index)
         mean = _mean(target, index)
         expected_worst = _worst(expected, index)[0] if three_way else None

@@ -13,7 +13,8 @@ import html
 import io
 from collections.abc import Sequence
 
-from vllm_aot.accuracy.logits import LogitComparison, ValidationReport, slice_label
+from vllm_aot.accuracy.comparison import LogitComparison, slice_label
+from vllm_aot.accuracy.logits import ValidationReport
 
 _STYLE = """
 body { font-family: sans-serif; margin: 2em; }

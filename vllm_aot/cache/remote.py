@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from vllm_aot.cache.local import META_FILE, PROGRAM_FILE, LocalCache, file_sha256
+from vllm_aot.files import staged_path
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +51,15 @@ class DirectoryStore:
         source = self.root / name
         if not source.is_file():
             return False
-        staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-        shutil.copyfile(source, staging)
-        os.replace(staging, dest)
+        with staged_path(dest) as staging:
+            shutil.copyfile(source, staging)
         return True
 
     def put(self, name: str, source: Path) -> None:
         target = self.root / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        shutil.copyfile(source, staging)
-        os.replace(staging, target)
+        with staged_path(target) as staging:
+            shutil.copyfile(source, staging)
 
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix
@@ -90,15 +88,13 @@ class S3Store:
     def get(self, name: str, dest: Path) -> bool:
         from botocore.exceptions import ClientError
 
-        staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
         try:
-            self._client.download_file(self.bucket, self._key(name), str(staging))
+            with staged_path(dest) as staging:
+                self._client.download_file(self.bucket, self._key(name), str(staging))
         except ClientError as exc:
-            staging.unlink(missing_ok=True)
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
                 return False
             raise
-        os.replace(staging, dest)
         return True
 
     def put(self, name: str, source: Path) -> None:

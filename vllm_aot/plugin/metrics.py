@@ -41,7 +41,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from vllm_aot.files import write_json_atomic
-from vllm_aot.runtime.loader import LoadReport
+from vllm_aot.loading.programs import LoadReport
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.step_stats import LAYER_KINDS
 

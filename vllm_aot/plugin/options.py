@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.runtime.artifacts import is_artifact_dir, read_manifest
+from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
 from vllm_aot.runtime.config import RuntimeConfig
 
 RESOLVED_KEY = "vllm_aot"

@@ -16,7 +16,6 @@ program (`decode_b4_c256`, `greedy_r4`, ...) inside ranges for the step's phases
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from torch.profiler import profile
 from vllm.config import ProfilerConfig
 from vllm.config.utils import replace
 from vllm.profiler.wrapper import TorchProfilerWrapper
+
+from vllm_aot.files import staged_path
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -43,9 +44,8 @@ class TraceWriter:
         if self.use_gzip:
             file_name += ".gz"  # export_chrome_trace compresses by this suffix
         path = self.directory / file_name
-        staging = self.directory / f".partial.{file_name}"
-        session.export_chrome_trace(str(staging))
-        os.replace(staging, path)
+        with staged_path(path) as staging:
+            session.export_chrome_trace(str(staging))
         logger.info("vllm-aot: torch profiler trace written to %s", path)
 
 

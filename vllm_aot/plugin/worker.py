@@ -1,7 +1,7 @@
 """AotWorker: the vLLM worker that owns our compiled model.
 
-Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (programs — loaded
-from disk or compiled — and weights), `get_kv_cache_spec` (our pools' geometry),
+Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (programs and weights
+through the one start-up path, `loading.startup.start`), `get_kv_cache_spec` (our pools' geometry),
 `determine_available_memory` (the KV budget), `initialize_from_config` (pool of vLLM's block
 count), `compile_or_warm_up_model` (compile/load report). Then `execute_model`/`sample_tokens`
 per step, delegated to AotModelRunner; `profile` between steps (vLLM's `/start_profile` and
@@ -23,20 +23,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_aot.cache.program_cache import ProgramCache
-from vllm_aot.models.registry import load_arch
+from vllm_aot.loading.startup import start
 from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
-from vllm_aot.runtime.artifacts import artifact_program_paths
-from vllm_aot.runtime.loader import (
-    LoadReport,
-    check_fits,
-    ensure_programs,
-    load_programs,
-    load_weights_timed,
-)
-from vllm_aot.runtime.model import CompiledModel
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -52,6 +43,10 @@ def _log_program(name: str, source: str, seconds: float) -> None:
     logger.info("vllm-aot: program %s %s in %.3f s", name, _HOW[source], seconds)
 
 
+def _log_progress(line: str) -> None:
+    logger.info("vllm-aot: %s", line)
+
+
 class AotWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
@@ -63,37 +58,18 @@ class AotWorker(WorkerBase):
         validate_worker_profiler_config(self.vllm_config.profiler_config)
 
     def load_model(self, *args, **kwargs) -> None:
-        options, runtime = self.options, self.options.runtime
-        self.model_dir = options.artifact_dir or self.model_config.model
-        self.arch = load_arch(self.model_dir)
-        check_fits(self.arch, runtime)
-        report = LoadReport()
-        paths = None
-        if runtime.backend == "inductor" and options.artifact_dir:
-            paths = artifact_program_paths(options.artifact_dir, runtime, report)
-        elif runtime.backend == "inductor":
-            paths = ensure_programs(
-                self.arch,
-                runtime,
-                report,
-                cache=ProgramCache(options.cache_settings()),
-                allow_compile=not options.require_cached,
-                show_progress=False,
-                on_event=_log_program,
-            )
-        self._programs = load_programs(self.arch, runtime, paths, report)
-        self._weights = load_weights_timed(self._weights_dir(), self.arch, runtime, report)
-        self._report = report
-        logger.info("vllm-aot: %s", report.summary())
+        options = self.options
+        self.loaded = start(
+            options.artifact_dir or self.model_config.model,
+            options.runtime,
+            cache=ProgramCache(options.cache_settings()),
+            allow_compile=not options.require_cached,
+            progress_to=_log_progress,
+            on_event=_log_program,
+        )
+        self.arch = self.loaded.arch
         if options.stats_file:
-            self.stats_file = StatsFile(options.stats_file, load_stats(report))
-
-    def _weights_dir(self):
-        if self.options.artifact_dir is None:
-            return self.model_config.model
-        from vllm_aot.runtime.artifacts import read_manifest, weights_dir
-
-        return weights_dir(self.options.artifact_dir, read_manifest(self.options.artifact_dir))
+            self.stats_file = StatsFile(options.stats_file, load_stats(self.loaded.report))
 
     def get_kv_cache_spec(self) -> dict:
         runtime = self.options.runtime
@@ -127,20 +103,16 @@ class AotWorker(WorkerBase):
         return min(budget, useful)
 
     def initialize_from_config(self, kv_cache_config) -> None:
-        self.model = CompiledModel(
-            self.arch,
-            self.options.runtime,
-            self._weights,
-            self._programs,
-            num_kv_blocks=kv_cache_config.num_blocks,
-        )
+        self.model = self.loaded.build(kv_cache_config.num_blocks)
         self.runner = AotModelRunner(self.model)
         if self.stats_file is not None:
             self.stats_file.follow(functools.partial(model_stats, self.model))
         logger.info("vllm-aot: KV pool of %d blocks", kv_cache_config.num_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(language_model=sum(self._report.compiled.values()), encoder=0.0)
+        return CompilationTimes(
+            language_model=sum(self.loaded.report.compiled.values()), encoder=0.0
+        )
 
     def get_supported_tasks(self):
         return ("generate",)

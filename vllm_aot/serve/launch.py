@@ -49,7 +49,7 @@ def choose_from_args(
     """The serve flags -> ChosenConfig: the exported dir's manifest, else flags, else the cache
     registry's best match, else defaults."""
     from vllm_aot.cache.program_cache import CacheSettings
-    from vllm_aot.runtime.artifacts import is_artifact_dir, read_manifest
+    from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
     from vllm_aot.serve.selection import pick_from_registry
 
     manifest = read_manifest(model_dir) if is_artifact_dir(model_dir) else None
@@ -124,7 +124,7 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
             print(f"pinned to cores {format_core_list(groups[0])}", flush=True)
         print("$", " ".join(command), flush=True)
         os.execvpe(command[0], command, env)
-    from vllm_aot.testing import free_port
+    from vllm_aot.processes import free_port
 
     specs = []
     for index, group in enumerate(groups):

@@ -120,9 +120,6 @@ class ReplicaManager:
         self._restart_at: list[float | None] = [None] * len(specs)
         self.num_restarts = 0
 
-    def pids(self) -> list[int | None]:
-        return [p.pid if p and p.poll() is None else None for p in self._processes]
-
     def _spawn(self, index: int) -> None:
         spec = self.specs[index]
         output = None

@@ -6,41 +6,13 @@ return the exit code (0 pass, 1 fail), so CI can use them as they are.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from vllm_aot.accuracy.logits import DEFAULT_TOLERANCES, Tolerance
+from vllm_aot.cli.args import add_config_args, load_from_args
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import ProgramKey
-
-
-def parse_tolerances(
-    overrides: Sequence[str], base: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES
-) -> dict[int | None, Tolerance]:
-    """`SLICE=RTOL[:ATOL]` overrides (SLICE: `top5`, `5` or `all`) applied to `base`.
-
-    A slice not in `base` is added (its atol defaults to 1e-5). ValueError names the bad one.
-    """
-    tolerances = dict(base)
-    for text in overrides:
-        slice_text, sep, value = text.partition("=")
-        slice_text = slice_text.strip().lower().removeprefix("top").strip()
-        try:
-            if not sep:
-                raise ValueError
-            top_k = None if slice_text == "all" else int(slice_text)
-            rtol_text, _, atol_text = value.partition(":")
-            previous = tolerances.get(top_k, Tolerance(1e-5, 0.0))
-            atol = float(atol_text) if atol_text else previous.atol
-            tolerance = Tolerance(atol=atol, rtol=float(rtol_text))
-        except ValueError:
-            raise ValueError(
-                f"tolerance {text!r}: expected SLICE=RTOL[:ATOL], SLICE one of top5, 50, all"
-            ) from None
-        if (top_k is not None and top_k < 1) or tolerance.rtol < 0 or tolerance.atol < 0:
-            raise ValueError(f"tolerance {text!r}: k must be >= 1, tolerances >= 0")
-        tolerances[top_k] = tolerance
-    return tolerances
 
 
 def load_sequences(model_dir: Path, prompts_file: Path | None, reference, num_tokens: int):
@@ -102,6 +74,7 @@ def run_validate(
     """Teacher-forced logits (three-way below fp32) and, in fp32, greedy output against HF."""
     from rich.console import Console
 
+    from vllm_aot.accuracy.comparison import parse_tolerances
     from vllm_aot.accuracy.logits import greedy_match, validate
     from vllm_aot.accuracy.teacher_forcing import HFReference
 
@@ -236,3 +209,78 @@ def run_kv(
     else:
         console.print(f"corrupted blocks: {', '.join(map(str, report.corrupted_blocks))}")
     return 0 if report.passed else 1
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Teacher-forced logits and greedy output against HF transformers; exit 1 on failure."""
+    model_dir, model, report = load_from_args(args)
+    print(f"model ready: {report.summary()}", flush=True)
+    return run_validate(
+        model_dir,
+        model,
+        prompts_file=args.prompts,
+        num_tokens=args.num_tokens,
+        tolerance_overrides=args.tolerance or (),
+        report_path=args.report,
+    )
+
+
+def cmd_tensors(args: argparse.Namespace) -> int:
+    """Tensor capture/compare and KV cache analysis against HF; exit 1 on a divergence."""
+    if args.action == "compare":
+        return run_compare(args.ours, args.reference, tolerance=args.rtol)
+    model_dir, model, report = load_from_args(args)
+    print(f"model ready: {report.summary()}", flush=True)
+    common = dict(
+        prompt_index=args.prompt,
+        num_tokens=args.num_tokens,
+        prompts_file=args.prompts,
+        tolerance=args.rtol,
+    )
+    if args.action == "kv":
+        return run_kv(model_dir, model, **common)
+    patterns, replace = args.pattern or (), args.replace or ()
+    return run_capture(
+        model_dir, model, out_dir=args.out, patterns=patterns, replace=replace, **common
+    )
+
+
+def add_parsers(sub) -> None:
+    """`validate` and `tensors capture | kv | compare`."""
+    p = sub.add_parser("validate", help="logit validation against HF transformers")
+    p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
+    p.add_argument("--prompts", type=Path, help="file with one user message per line")
+    p.add_argument("--num-tokens", type=int, default=32, help="HF continuation to teacher-force")
+    p.add_argument(
+        "--tolerance",
+        action="append",
+        metavar="SLICE=RTOL[:ATOL]",
+        help="override a slice's tolerance, e.g. top5=0.02 or all=0.05:1e-5 (repeatable)",
+    )
+    p.add_argument("--report", type=Path, help="write an HTML report (table and plot) here")
+    add_config_args(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("tensors", help="tensor capture/compare and KV cache analysis against HF")
+    actions = p.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("capture", "capture module outputs of ours and HF for one prompt, then compare"),
+        ("kv", "rebuild a prompt's K/V from the paged pool and compare with HF's cache"),
+    ):
+        a = actions.add_parser(action, help=text)
+        a.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
+        a.add_argument("--prompt", type=int, default=0, help="index of the prompt to feed")
+        a.add_argument("--prompts", type=Path, help="file with one user message per line")
+        a.add_argument("--num-tokens", type=int, default=32, help="HF continuation to feed")
+        a.add_argument("--rtol", type=float, default=None, help="relative L-inf tolerance")
+        if action == "capture":
+            a.add_argument("-o", "--out", type=Path, required=True, help="capture directory")
+            a.add_argument("--pattern", action="append", help="module names (fnmatch; repeatable)")
+            a.add_argument("--replace", action="append", help="run ours with HF's output here")
+        add_config_args(a, backend="eager")
+        a.set_defaults(func=cmd_tensors)
+    a = actions.add_parser("compare", help="compare two capture directories")
+    a.add_argument("ours", type=Path)
+    a.add_argument("reference", type=Path)
+    a.add_argument("--rtol", type=float, default=None, help="relative L-inf tolerance")
+    a.set_defaults(func=cmd_tensors)

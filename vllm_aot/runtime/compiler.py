@@ -1,8 +1,12 @@
-"""Parallel compilation in child interpreters.
+"""Ahead-of-time compilation: `torch.export` with static shapes, then AOTInductor, in parallel
+child interpreters.
 
-The parent writes one JSON job file per worker and runs `python -m vllm_aot.runtime.compile_worker
-JOBFILE`; the child compiles its programs in order and prints `done NAME SECONDS` after each, which
-the parent turns into progress. A failing child's stderr is raised in the parent.
+A program is exported with only the KV pools' block count symbolic and compiled into a
+self-contained `.pt2` package (weights are inputs, never constants, so one package per bucket does
+not repeat them). Several programs compile in `python -m vllm_aot.runtime.compiler JOBFILE`
+children: the parent writes one JSON job file per worker; the child compiles its programs in
+order and prints `done NAME SECONDS` after each, which the parent turns into progress. A failing
+child's stderr is raised in the parent.
 """
 
 from __future__ import annotations
@@ -13,14 +17,75 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
+from vllm_aot.files import staged_path
 from vllm_aot.models.config import ModelArch, RopeSpec
 from vllm_aot.processes import parent_death_signal
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.programs import ProgramKey, ProgramKind
+from vllm_aot.runtime.programs import (
+    ProgramKey,
+    ProgramKind,
+    build_module,
+    dynamic_shapes,
+    example_inputs,
+)
+
+# Inductor emits parallel loops only when it compiles for more than one thread, and by default
+# it reads the compiling process's thread count (1 in our compile workers) and may hardcode it.
+# Programs are compiled as for CODEGEN_THREADS threads with `#pragma omp parallel` left to the
+# runtime's OpenMP pool, so one program serves any core count and its cache key names no machine.
+CODEGEN_THREADS = 8
+INDUCTOR_SETTINGS = {"cpp.threads": CODEGEN_THREADS, "cpp.dynamic_threads": True}
+
+OnDone = Callable[[ProgramKey, float], None]
+
+
+def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, path: Path) -> float:
+    """Export and AOT-compile one program into `path`; returns seconds spent.
+
+    The package is written under a staging name and renamed, so a reader never sees half of it.
+    """
+    start = time.perf_counter()
+    module = build_module(key, arch, config)
+    inputs = example_inputs(key, arch, config)
+    with torch.no_grad(), torch._inductor.config.patch(INDUCTOR_SETTINGS):
+        exported = torch.export.export(
+            module, inputs, dynamic_shapes=dynamic_shapes(key, inputs), strict=False
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with staged_path(path) as staging:
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(staging))
+    return time.perf_counter() - start
+
+
+def compile_programs(
+    jobs: Iterable[tuple[ProgramKey, Path]],
+    arch: ModelArch,
+    config: RuntimeConfig,
+    *,
+    num_workers: int,
+    on_done: OnDone = lambda key, seconds: None,
+) -> dict[ProgramKey, float]:
+    """Compile several programs in `num_workers` child processes; returns seconds per program.
+
+    Each compile is single-threaded (g++ dominates), so workers scale with cores. Workers are
+    fresh interpreters, never forks of a process that holds OpenMP threads, and they need no
+    `__main__` guard from the caller.
+    """
+    jobs = list(jobs)
+    if num_workers <= 1 or len(jobs) <= 1:
+        seconds = {}
+        for key, path in jobs:
+            seconds[key] = compile_program(key, arch, config, path)
+            on_done(key, seconds[key])
+        return seconds
+    return _run_workers(jobs, arch, config, num_workers=num_workers, on_done=on_done)
 
 
 def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: RuntimeConfig):
@@ -39,13 +104,13 @@ def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: 
     return Path(handle.name)
 
 
-def run_workers(
+def _run_workers(
     jobs: Sequence[tuple[ProgramKey, Path]],
     arch: ModelArch,
     config: RuntimeConfig,
     *,
     num_workers: int,
-    on_done: Callable[[ProgramKey, float], None],
+    on_done: OnDone,
 ) -> dict[ProgramKey, float]:
     by_name = {key.name: key for key, _ in jobs}
     # Largest programs first, dealt round-robin, so workers finish at about the same time.
@@ -59,7 +124,7 @@ def run_workers(
         job_file = _job_file(group, arch, config)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_aot.runtime.compile_worker", str(job_file)],
+                [sys.executable, "-m", "vllm_aot.runtime.compiler", str(job_file)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -94,10 +159,6 @@ def run_workers(
 
 
 def main(job_file: str) -> None:
-    import torch
-
-    from vllm_aot.runtime.backends import compile_program
-
     torch.set_num_threads(1)
     payload = json.loads(Path(job_file).read_text())
     arch = ModelArch(**{**payload["arch"], "rope": RopeSpec(**payload["arch"]["rope"])})

@@ -43,8 +43,8 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
 def cmd_lookup(args: argparse.Namespace, console: Console) -> int:
     from vllm_aot.cache.keys import arch_digest
     from vllm_aot.cache.registry import describe_rows
+    from vllm_aot.cli.args import resolve_model
     from vllm_aot.models.registry import load_arch
-    from vllm_aot.serve.cli import resolve_model
 
     arch = load_arch(resolve_model(args.model))
     entries = _cache(args).registry.entries(arch_digest(arch))

@@ -1,8 +1,8 @@
-"""Model directory + RuntimeConfig -> CompiledModel, with programs from the compile cache."""
+"""A configuration's programs (from the compile cache, compiled, or exported) and weights, with a
+report of where each came from and what it cost. `startup.py` puts them together."""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -10,15 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+from vllm_aot.loading.progress import CompileProgress
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.registry import load_arch
-from vllm_aot.models.weights import load_weights
-from vllm_aot.runtime.backends import Program, compile_programs, eager_program, load_program
+from vllm_aot.models.weights import ModelWeights, load_weights
+from vllm_aot.runtime.backends import Program, eager_program, load_program
+from vllm_aot.runtime.compiler import compile_programs
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,24 +81,25 @@ def ensure_programs(
     allow_compile: bool = True,
     num_workers: int | None = None,
     show_progress: bool = True,
+    progress_to: Callable[[str], None] | None = None,
     on_event: Callable[[str, str, float], None] | None = None,
 ) -> dict[ProgramKey, Path]:
     """Every program of `config` from the compile cache (local, remote) or compiled into it.
 
-    Records each program in `report`; `on_event(name, source, seconds)` per program.
-    Raises CacheMissError when a program is missing and `allow_compile` is False.
+    Records each program in `report`; `on_event(name, source, seconds)` per program. While
+    programs compile, one progress line goes to `progress_to` (a logger) or, by default, to the
+    terminal (`show_progress=False`: none). Raises CacheMissError when a program is missing and
+    `allow_compile` is False.
     """
-    from tqdm import tqdm
-
     cache = cache or ProgramCache(CacheSettings.from_env())
-    bars: list[tqdm] = []
 
     def compile_fn(jobs, on_done) -> None:
-        bars.append(tqdm(desc="compiling programs", total=len(jobs), disable=not show_progress))
+        progress = CompileProgress(len(jobs), write=progress_to) if show_progress else None
 
         def done(key: ProgramKey, seconds: float) -> None:
             on_done(key, seconds)
-            bars[-1].update()
+            if progress is not None:
+                progress.update()
 
         compile_programs(
             jobs, arch, config, num_workers=num_workers or default_num_workers(), on_done=done
@@ -111,13 +110,9 @@ def ensure_programs(
         if on_event is not None:
             on_event(name, source, seconds)
 
-    try:
-        outcome = cache.ensure(
-            arch, config, compile_fn=compile_fn if allow_compile else None, on_event=event
-        )
-    finally:
-        for bar in bars:
-            bar.close()
+    outcome = cache.ensure(
+        arch, config, compile_fn=compile_fn if allow_compile else None, on_event=event
+    )
     return outcome.paths
 
 
@@ -140,40 +135,14 @@ def load_programs(
     return programs
 
 
-def load_weights_timed(model_dir: str | Path, arch: ModelArch, config: RuntimeConfig, report):
+def load_weights_timed(
+    model_dir: str | Path, arch: ModelArch, config: RuntimeConfig, report: LoadReport
+) -> ModelWeights:
     start = time.perf_counter()
     weights = load_weights(model_dir, arch, config.torch_dtype)
     report.weights_seconds = time.perf_counter() - start
     report.weights_bytes = weights.num_bytes()
     return weights
-
-
-def load_model(
-    model_dir: str | Path,
-    config: RuntimeConfig,
-    *,
-    cache: ProgramCache | None = None,
-    num_workers: int | None = None,
-    show_progress: bool = True,
-) -> tuple[CompiledModel, LoadReport]:
-    """Load weights and programs (from the compile cache, compiling missing ones)."""
-    arch = load_arch(model_dir)
-    check_fits(arch, config)
-    report = LoadReport()
-    paths = None
-    if config.backend == "inductor":
-        paths = ensure_programs(
-            arch,
-            config,
-            report,
-            cache=cache,
-            num_workers=num_workers,
-            show_progress=show_progress,
-        )
-    programs = load_programs(arch, config, paths, report)
-    weights = load_weights_timed(model_dir, arch, config, report)
-    logger.info("model ready: %s", report.summary())
-    return CompiledModel(arch, config, weights, programs), report
 
 
 def check_fits(arch: ModelArch, config: RuntimeConfig) -> None:

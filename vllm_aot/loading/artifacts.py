@@ -28,17 +28,10 @@ import torch
 import vllm_aot
 from vllm_aot.cache.keys import arch_digest
 from vllm_aot.cache.program_cache import ProgramCache
-from vllm_aot.files import write_json_atomic
+from vllm_aot.files import staged_path, write_json_atomic
+from vllm_aot.loading.programs import LoadReport, check_fits, ensure_programs
 from vllm_aot.models.registry import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.loader import (
-    LoadReport,
-    check_fits,
-    ensure_programs,
-    load_programs,
-    load_weights_timed,
-)
-from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
 
 MANIFEST_NAME = "vllm-aot-manifest.json"
@@ -136,13 +129,11 @@ def export_model(
 
 def _link_or_copy(source: Path, target: Path) -> None:
     """Hard-link a cached program into an export (same file system), else copy it."""
-    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    staging.unlink(missing_ok=True)
-    try:
-        os.link(source, staging)
-    except OSError:
-        shutil.copyfile(source, staging)
-    os.replace(staging, target)
+    with staged_path(target) as staging:
+        try:
+            os.link(source, staging)
+        except OSError:
+            shutil.copyfile(source, staging)
 
 
 def program_path(programs_dir: Path, key: ProgramKey) -> Path:
@@ -196,13 +187,14 @@ def _check_config(manifest_config: RuntimeConfig, expected: RuntimeConfig, artif
         )
 
 
-def load_artifact(
-    artifact_dir: str | Path, *, expected: RuntimeConfig | None = None
-) -> tuple[CompiledModel, LoadReport]:
-    """Load an exported directory without compiling anything.
+def open_artifact(
+    artifact_dir: str | Path, expected: RuntimeConfig | None = None
+) -> tuple[RuntimeConfig, Path]:
+    """An exported directory's configuration and where its weights are, checked before anything
+    loads.
 
     Raises ArtifactMismatchError when it was built by another vllm-aot/torch version, or for a
-    configuration other than `expected` (when given); FileNotFoundError when parts are missing.
+    configuration other than `expected` (when given); FileNotFoundError when its weights are gone.
     """
     artifact_dir = Path(artifact_dir)
     manifest = read_manifest(artifact_dir)
@@ -210,15 +202,11 @@ def load_artifact(
     config = RuntimeConfig.from_dict(manifest["config"])
     if expected is not None:
         _check_config(config, expected, artifact_dir)
+        config = expected
     weights_path = weights_dir(artifact_dir, manifest)
     if not weights_path.is_dir():
         raise FileNotFoundError(
             f"{artifact_dir} references weights in {weights_path}, which does not exist; "
             "export with --copy-weights to make a self-contained directory"
         )
-    arch = load_arch(artifact_dir)
-    report = LoadReport()
-    paths = artifact_program_paths(artifact_dir, config, report)
-    programs = load_programs(arch, config, paths, report)
-    weights = load_weights_timed(weights_path, arch, config, report)
-    return CompiledModel(arch, config, weights, programs), report
+    return config, weights_path

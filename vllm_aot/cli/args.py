@@ -1,0 +1,110 @@
+"""Arguments shared by the `vllm-aot` commands: the model, the compiled shapes, the cache, serve's
+configuration; and the one way a command loads a model from them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+
+
+def resolve_model(name: str | None) -> Path:
+    """A model argument -> HF directory: a path, or the bundled default (prepared on first use)."""
+    if name in (None, "", DEFAULT_MODEL_NAME, "default"):
+        from vllm_aot.models.prepare import prepare_default_model
+
+        return prepare_default_model()
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise SystemExit(
+            f"error: model {name!r} is neither a directory nor the bundled {DEFAULT_MODEL_NAME}; "
+            "vllm-aot never downloads from a hub"
+        )
+    return path
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
+
+
+def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor") -> None:
+    g = parser.add_argument_group("compiled shapes")
+    g.add_argument("--batch-size", type=int, default=32, help="max sequences per decode step")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="largest prefill chunk")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--backend", default=backend, choices=["inductor", "eager"])
+    g.add_argument("--decode-batch-buckets", type=int_list, default=())
+    g.add_argument("--decode-context-buckets", type=int_list, default=(), help="tokens")
+    g.add_argument("--prefill-token-buckets", type=int_list, default=())
+    g.add_argument("--prefill-context-buckets", type=int_list, default=(), help="tokens")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def config_from_args(args: argparse.Namespace):
+    from vllm_aot.runtime.config import RuntimeConfig
+
+    try:
+        return RuntimeConfig(
+            max_num_seqs=args.batch_size,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            dtype=args.dtype,
+            backend=args.backend,
+            decode_batch_buckets=args.decode_batch_buckets,
+            decode_context_buckets=args.decode_context_buckets,
+            prefill_token_buckets=args.prefill_token_buckets,
+            prefill_context_buckets=args.prefill_context_buckets,
+            num_kv_blocks=args.num_kv_blocks,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("configuration (default: exported dir, else defaults)")
+    g.add_argument("--batch-size", type=int, default=None, help="max sequences per step")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported")
+    g = parser.add_argument_group("data parallelism")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="replicas behind a proxy")
+    g.add_argument("--cores", default=None, help="cores to split among replicas, e.g. 0-3,8-11")
+    g.add_argument("--max-restarts", type=int, default=3, help="per replica, in a row")
+    g.add_argument("--start-timeout", type=float, default=900.0, help="seconds")
+    g.add_argument("--replica-log-dir", default=None, help="replica-N.log files (default: ours)")
+    g = parser.add_argument_group("proxy (data-parallel-size > 1)")
+    g.add_argument("--proxy-max-body-mb", type=int, default=32, help="request body limit")
+    g.add_argument("--proxy-connect-timeout", type=float, default=5.0, help="seconds")
+    g.add_argument("--proxy-read-timeout", type=float, default=600.0, help="seconds of silence")
+    g.add_argument("--proxy-health-interval", type=float, default=2.0, help="seconds")
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--remote-cache",
+        help="shared store of compiled programs: file:///dir or s3://bucket/prefix "
+        "(default: VLLM_AOT_REMOTE_CACHE)",
+    )
+    parser.add_argument(
+        "--cache-upload", action="store_true", help="upload what this process compiles"
+    )
+
+
+def load_from_args(args: argparse.Namespace):
+    """(model directory, CompiledModel, LoadReport): an exported directory under its own
+    configuration, else the model under the shape flags."""
+    from vllm_aot.loading.artifacts import is_artifact_dir
+    from vllm_aot.loading.startup import load_model
+
+    model_dir = resolve_model(args.model)
+    config = None if is_artifact_dir(model_dir) else config_from_args(args)
+    return model_dir, *load_model(model_dir, config)

@@ -1,0 +1,67 @@
+"""One line a person can read while programs compile: done / total, elapsed, estimate.
+
+On a terminal the line is redrawn in place; in a log (a server's start-up, CI) it is written at
+most once every `log_every` seconds and once at the end, so a 40-program compile adds a handful
+of lines, not one per program.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class CompileProgress:
+    """Counts compiled programs and reports them as one line (`update()` once per program)."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        write: Callable[[str], None] | None = None,
+        stream: TextIO | None = None,
+        log_every: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Report through `write(line)` (a logger) or redraw on `stream` (default stderr)."""
+        self.total = total
+        self.done = 0
+        self._write = write
+        self._stream = stream if stream is not None else sys.stderr
+        self._is_tty = write is None and self._stream.isatty()
+        self._log_every = log_every
+        self._clock = clock
+        self._start = clock()
+        self._last_written = self._start
+
+    def line(self) -> str:
+        elapsed = self._clock() - self._start
+        text = f"compiling programs: {self.done}/{self.total} done, {_duration(elapsed)} elapsed"
+        if 0 < self.done < self.total:
+            left = elapsed / self.done * (self.total - self.done)
+            text += f", about {_duration(left)} left"
+        return text
+
+    def update(self) -> None:
+        self.done += 1
+        now = self._clock()
+        is_last = self.done == self.total
+        if self._is_tty:
+            self._stream.write(f"\r{self.line()}" + ("\n" if is_last else ""))
+            self._stream.flush()
+        elif is_last or now - self._last_written >= self._log_every:
+            self._last_written = now
+            self._emit(self.line())
+
+    def _emit(self, text: str) -> None:
+        if self._write is not None:
+            self._write(text)
+        else:
+            print(text, file=self._stream, flush=True)

@@ -1,0 +1,108 @@
+"""The one start-up path: a model (HF directory or exported directory) and a configuration ->
+programs and weights -> `CompiledModel`.
+
+Every caller starts a model here: the vLLM worker, the CLI (`demo`, `validate`, `tensors`),
+benchmarks and tests. The order is fixed: what the source is (an exported directory fixes its
+configuration and never compiles), the fit check, the programs (exported, or from the compile
+cache, compiling what is missing unless `allow_compile` is False), the weights, one summary line.
+vLLM sizes the KV pool only after loading, so `start` returns the loaded parts and
+`LoadedModel.build(num_kv_blocks)` makes the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_aot.cache.program_cache import ProgramCache
+from vllm_aot.loading.artifacts import artifact_program_paths, is_artifact_dir, open_artifact
+from vllm_aot.loading.programs import (
+    LoadReport,
+    check_fits,
+    ensure_programs,
+    load_programs,
+    load_weights_timed,
+)
+from vllm_aot.models.config import ModelArch
+from vllm_aot.models.registry import load_arch
+from vllm_aot.models.weights import ModelWeights
+from vllm_aot.runtime.backends import Program
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.programs import ProgramKey
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What start-up loaded; the KV pool is sized when the model is built."""
+
+    arch: ModelArch
+    config: RuntimeConfig
+    weights: ModelWeights
+    programs: dict[ProgramKey, Program]
+    report: LoadReport
+
+    def build(self, num_kv_blocks: int | None = None) -> CompiledModel:
+        """The model with a KV pool of `num_kv_blocks` blocks (default: the config's)."""
+        return CompiledModel(
+            self.arch, self.config, self.weights, self.programs, num_kv_blocks=num_kv_blocks
+        )
+
+
+def start(
+    source: str | Path,
+    config: RuntimeConfig | None = None,
+    *,
+    cache: ProgramCache | None = None,
+    allow_compile: bool = True,
+    num_workers: int | None = None,
+    show_progress: bool = True,
+    progress_to: Callable[[str], None] | None = None,
+    on_event: Callable[[str, str, float], None] | None = None,
+) -> LoadedModel:
+    """Load `source` under `config` (an exported directory's own when None).
+
+    Raises ValueError naming the limit when the model cannot honour `config`,
+    ArtifactMismatchError for an exported directory built elsewhere or for another
+    configuration, CacheMissError when a program is missing and `allow_compile` is False.
+    See `programs.ensure_programs` for the progress and event callbacks.
+    """
+    report = LoadReport()
+    is_exported = config is None or is_artifact_dir(source)
+    if is_exported:  # FileNotFoundError when `source` is not one
+        config, weights_path = open_artifact(source, expected=config)
+    else:
+        weights_path = Path(source)
+    arch = load_arch(source)
+    check_fits(arch, config)
+    paths = None
+    if config.backend == "inductor" and is_exported:
+        paths = artifact_program_paths(Path(source), config, report)
+    elif config.backend == "inductor":
+        paths = ensure_programs(
+            arch,
+            config,
+            report,
+            cache=cache,
+            allow_compile=allow_compile,
+            num_workers=num_workers,
+            show_progress=show_progress,
+            progress_to=progress_to,
+            on_event=on_event,
+        )
+    programs = load_programs(arch, config, paths, report)
+    weights = load_weights_timed(weights_path, arch, config, report)
+    logger.info("vllm-aot: model ready: %s", report.summary())
+    return LoadedModel(arch, config, weights, programs, report)
+
+
+def load_model(
+    source: str | Path, config: RuntimeConfig | None = None, **options
+) -> tuple[CompiledModel, LoadReport]:
+    """`start(source, config, **options)`, built with the config's KV pool."""
+    loaded = start(source, config, **options)
+    return loaded.build(), loaded.report
