@@ -57,7 +57,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
     """Fill the compile cache (and the registry) for `config`; load no weights."""
     from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
-    from vllm_aot.loading.programs import LoadReport, check_fits, ensure_programs
+    from vllm_aot.loading.programs import (
+        LoadReport,
+        ProgramOptions,
+        check_fits,
+        ensure_programs,
+    )
     from vllm_aot.models.registry import load_arch
 
     arch = load_arch(model_dir)
@@ -67,7 +72,7 @@ def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
     )
     report = LoadReport()
     start = time.perf_counter()
-    ensure_programs(arch, config, report, cache=cache, num_workers=args.workers)
+    ensure_programs(arch, config, report, ProgramOptions(cache=cache, num_workers=args.workers))
     print(
         f"{len(report.sources)} programs in {cache.local.root}: {report.count('local')} were "
         f"cached, {report.count('remote')} fetched, {report.count('compiled')} compiled "

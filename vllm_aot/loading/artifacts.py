@@ -27,9 +27,8 @@ import torch
 
 import vllm_aot
 from vllm_aot.cache.keys import arch_digest
-from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.files import staged_path, write_json_atomic
-from vllm_aot.loading.programs import LoadReport, check_fits, ensure_programs
+from vllm_aot.loading.programs import LoadReport, ProgramOptions, check_fits, ensure_programs
 from vllm_aot.models.registry import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
@@ -85,12 +84,10 @@ def export_model(
     config: RuntimeConfig,
     *,
     copy_weights: bool = False,
-    cache: ProgramCache | None = None,
-    num_workers: int | None = None,
-    show_progress: bool = True,
+    **options,
 ) -> ExportReport:
     """Every program of `config`, from the compile cache or compiled into it, copied into
-    `out_dir` and described in a manifest (written last)."""
+    `out_dir` and described in a manifest (written last); `options` as `ProgramOptions`."""
     if config.backend != "inductor":
         raise ValueError("export compiles programs: use backend='inductor'")
     start = time.perf_counter()
@@ -100,9 +97,7 @@ def export_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until rewritten
     report = LoadReport()
-    paths = ensure_programs(
-        arch, config, report, cache=cache, num_workers=num_workers, show_progress=show_progress
-    )
+    paths = ensure_programs(arch, config, report, ProgramOptions(**options))
     (out_dir / "programs").mkdir(exist_ok=True)
     for key, source in paths.items():
         _link_or_copy(source, program_path(out_dir / "programs", key))

@@ -72,46 +72,49 @@ def default_num_workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 8))
 
 
+@dataclass(frozen=True)
+class ProgramOptions:
+    """Where a configuration's programs come from, and what a person sees while they do."""
+
+    cache: ProgramCache | None = None  # default: the cache the environment names
+    allow_compile: bool = True  # False: a missing program raises CacheMissError
+    num_workers: int | None = None  # parallel compiles (default: cores, at most 8)
+    show_progress: bool = True  # one progress line while compiling
+    progress_to: Callable[[str], None] | None = None  # where it goes (default: the terminal)
+    on_event: Callable[[str, str, float], None] | None = None  # (name, source, seconds)
+
+
 def ensure_programs(
     arch: ModelArch,
     config: RuntimeConfig,
     report: LoadReport,
-    *,
-    cache: ProgramCache | None = None,
-    allow_compile: bool = True,
-    num_workers: int | None = None,
-    show_progress: bool = True,
-    progress_to: Callable[[str], None] | None = None,
-    on_event: Callable[[str, str, float], None] | None = None,
+    options: ProgramOptions = ProgramOptions(),
 ) -> dict[ProgramKey, Path]:
-    """Every program of `config` from the compile cache (local, remote) or compiled into it.
-
-    Records each program in `report`; `on_event(name, source, seconds)` per program. While
-    programs compile, one progress line goes to `progress_to` (a logger) or, by default, to the
-    terminal (`show_progress=False`: none). Raises CacheMissError when a program is missing and
-    `allow_compile` is False.
-    """
-    cache = cache or ProgramCache(CacheSettings.from_env())
+    """Every program of `config` from the compile cache (local, remote) or compiled into it,
+    recorded in `report`. Raises CacheMissError when a program is missing and compiling is not
+    allowed."""
+    cache = options.cache or ProgramCache(CacheSettings.from_env())
+    num_workers = options.num_workers or default_num_workers()
 
     def compile_fn(jobs, on_done) -> None:
-        progress = CompileProgress(len(jobs), write=progress_to) if show_progress else None
+        progress = None
+        if options.show_progress:
+            progress = CompileProgress(len(jobs), write=options.progress_to)
 
         def done(key: ProgramKey, seconds: float) -> None:
             on_done(key, seconds)
             if progress is not None:
                 progress.update()
 
-        compile_programs(
-            jobs, arch, config, num_workers=num_workers or default_num_workers(), on_done=done
-        )
+        compile_programs(jobs, arch, config, num_workers=num_workers, on_done=done)
 
     def event(name: str, source: str, seconds: float) -> None:
         report.record(name, source, seconds)
-        if on_event is not None:
-            on_event(name, source, seconds)
+        if options.on_event is not None:
+            options.on_event(name, source, seconds)
 
     outcome = cache.ensure(
-        arch, config, compile_fn=compile_fn if allow_compile else None, on_event=event
+        arch, config, compile_fn=compile_fn if options.allow_compile else None, on_event=event
     )
     return outcome.paths
 

@@ -12,14 +12,13 @@ vLLM sizes the KV pool only after loading, so `start` returns the loaded parts a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.loading.artifacts import artifact_program_paths, is_artifact_dir, open_artifact
 from vllm_aot.loading.programs import (
     LoadReport,
+    ProgramOptions,
     check_fits,
     ensure_programs,
     load_programs,
@@ -56,20 +55,14 @@ class LoadedModel:
 def start(
     source: str | Path,
     config: RuntimeConfig | None = None,
-    *,
-    cache: ProgramCache | None = None,
-    allow_compile: bool = True,
-    num_workers: int | None = None,
-    show_progress: bool = True,
-    progress_to: Callable[[str], None] | None = None,
-    on_event: Callable[[str, str, float], None] | None = None,
+    options: ProgramOptions | None = None,
 ) -> LoadedModel:
-    """Load `source` under `config` (an exported directory's own when None).
+    """Load `source` under `config` (an exported directory's own when None), its programs as
+    `options` say.
 
     Raises ValueError naming the limit when the model cannot honour `config`,
     ArtifactMismatchError for an exported directory built elsewhere or for another
-    configuration, CacheMissError when a program is missing and `allow_compile` is False.
-    See `programs.ensure_programs` for the progress and event callbacks.
+    configuration, CacheMissError when a program is missing and compiling is not allowed.
     """
     report = LoadReport()
     is_exported = config is None or is_artifact_dir(source)
@@ -83,17 +76,7 @@ def start(
     if config.backend == "inductor" and is_exported:
         paths = artifact_program_paths(Path(source), config, report)
     elif config.backend == "inductor":
-        paths = ensure_programs(
-            arch,
-            config,
-            report,
-            cache=cache,
-            allow_compile=allow_compile,
-            num_workers=num_workers,
-            show_progress=show_progress,
-            progress_to=progress_to,
-            on_event=on_event,
-        )
+        paths = ensure_programs(arch, config, report, options or ProgramOptions())
     programs = load_programs(arch, config, paths, report)
     weights = load_weights_timed(weights_path, arch, config, report)
     logger.info("vllm-aot: model ready: %s", report.summary())
@@ -103,6 +86,6 @@ def start(
 def load_model(
     source: str | Path, config: RuntimeConfig | None = None, **options
 ) -> tuple[CompiledModel, LoadReport]:
-    """`start(source, config, **options)`, built with the config's KV pool."""
-    loaded = start(source, config, **options)
+    """`start` with `ProgramOptions(**options)`, built with the config's KV pool."""
+    loaded = start(source, config, ProgramOptions(**options))
     return loaded.build(), loaded.report

@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_aot.cache.program_cache import ProgramCache
+from vllm_aot.loading.programs import ProgramOptions
 from vllm_aot.loading.startup import start
 from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
@@ -62,10 +63,12 @@ class AotWorker(WorkerBase):
         self.loaded = start(
             options.artifact_dir or self.model_config.model,
             options.runtime,
-            cache=ProgramCache(options.cache_settings()),
-            allow_compile=not options.require_cached,
-            progress_to=_log_progress,
-            on_event=_log_program,
+            ProgramOptions(
+                cache=ProgramCache(options.cache_settings()),
+                allow_compile=not options.require_cached,
+                progress_to=_log_progress,
+                on_event=_log_program,
+            ),
         )
         self.arch = self.loaded.arch
         if options.stats_file:
