@@ -25,7 +25,7 @@ from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey
 
 # Bump when the programs' code changes in a way the versions below do not capture.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 # RuntimeConfig fields a program's graph depends on (bucket sets and limits only pick programs).
 _PROGRAM_FIELDS = ("dtype", "block_size", "num_logprobs", "num_sampling_candidates")
 
