@@ -10,8 +10,8 @@ import torch
 from tests.helpers import tiny_config
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
-from vllm_aot.runtime.inputs import RowSampling, prepare_sampling
-from vllm_aot.runtime.sampler import SamplingParams, greedy_sample, random_sample
+from vllm_aot.runtime.inputs import PrefillChunk, RowSampling, prepare_sampling
+from vllm_aot.runtime.sampler import GREEDY, SamplingParams, all_greedy, sample_rows
 
 VOCAB = 1000
 NUM_LOGPROBS = 5
@@ -23,9 +23,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds, mask=None)
         for i, (p, seed) in enumerate(zip(params, seeds, strict=True))
     ]
     tensors = prepare_sampling(rows, len(rows), VOCAB)
-    if all(r.params.top_k == 1 for r in rows):
-        return greedy_sample(logits, tensors, NUM_LOGPROBS)
-    return random_sample(logits, tensors, NUM_LOGPROBS, num_candidates=64)
+    is_greedy = all_greedy(r.params for r in rows)
+    return sample_rows(
+        logits, tensors, is_greedy=is_greedy, num_logprobs=NUM_LOGPROBS, num_candidates=64
+    )
+
+
+def allow_only(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """A packed vocabulary mask [ceil(vocab / 32)] int32 allowing only `tokens`."""
+    mask = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+    for token in tokens:
+        word, bit = divmod(token, 32)
+        mask[word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+    return mask
 
 
 @pytest.fixture
@@ -77,10 +87,7 @@ def test_top_p_and_min_p_cut_the_tail(logits):
 
 def test_vocab_mask_restricts_choices(logits):
     allowed = [11, 500, 999]
-    mask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
-    for token in allowed:
-        word, bit = divmod(token, 32)
-        mask[0, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+    mask = allow_only(allowed, VOCAB)[None]
     greedy = sample(logits, [SamplingParams(temperature=0)], [0], mask)
     assert greedy.tokens.item() == max(allowed, key=lambda t: logits[0, t].item())
     drawn = {
@@ -119,3 +126,55 @@ def test_requested_logprobs_come_back_per_token(tiny_model_dir):
         assert len(top) == 3
         assert max(top, key=top.get) == token  # greedy picks the most likely
         assert top[token] == pytest.approx(logprob)
+
+
+@pytest.mark.parametrize("kinds", ["greedy", "greedy+seeded"])
+def test_head_logprob_and_rank_equal_a_host_log_softmax(tiny_model_dir, kinds):
+    """The head's sampled-token logprob and 1-based rank are those of the raw logits'
+    log-softmax, in the greedy and the sampling head, with a vocabulary mask on some rows."""
+    model, _ = load_model(tiny_model_dir, tiny_config(), show_progress=False)
+    vocab = model.arch.vocab_size
+    allowed = list(range(3, vocab, 97))
+    mask = allow_only(allowed, vocab)
+    rows = [RowSampling(GREEDY, 0, 8, mask), RowSampling(GREEDY, 0, 8)]
+    if kinds == "greedy+seeded":
+        seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=5).normalized()
+        rows += [RowSampling(seeded, 5, 8, mask), RowSampling(seeded, 6, 8)]
+    chunks = [PrefillChunk([100 + 7 * i + j for j in range(8)], 0, [i + 1]) for i in range(4)]
+    out = model.prefill(chunks[: len(rows)], rows)
+    executed = {k.kind.value for k, n in model.num_executions.items() if n and not k.is_layer}
+    assert executed == {"greedy" if kinds == "greedy" else "sample"}
+    logprobs = torch.log_softmax(out.logits, dim=-1)
+    for i, token in enumerate(out.tokens.tolist()):
+        expected = logprobs[i, token]
+        assert out.token_logprobs[i].item() == pytest.approx(expected.item(), abs=1e-6)
+        assert out.token_ranks[i].item() == int((logprobs[i] >= expected).sum())
+        if rows[i].vocab_mask is not None:
+            assert token in allowed
+    assert out.token_ranks[0].item() > 1, "the mask keeps the model's favourite out"
+    assert out.token_ranks[1].item() == 1, "greedy without a mask takes the favourite"
+
+
+def test_host_processed_rows_report_raw_logprobs(logits):
+    """A biased row samples the biased token; its logprob and rank are of the raw logits."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    from vllm_aot.plugin.logits import resample
+    from vllm_aot.plugin.requests import CachedRequest
+
+    params = VllmSamplingParams(temperature=0, logprobs=2, logit_bias={7: 100.0})
+    request = CachedRequest.new(
+        req_id="r",
+        prompt_token_ids=[1, 2],
+        params=params,
+        block_ids=[1],
+        num_computed_tokens=0,
+        vocab_size=VOCAB,
+    )
+    sampling = RowSampling(request.sampling, request.seed, 2)
+    out = resample(logits[0], request, sampling, tiny_config())
+    logprobs = torch.log_softmax(logits[0], dim=-1)
+    assert out.tokens.item() == 7
+    assert out.token_logprobs.item() == pytest.approx(logprobs[7].item(), abs=1e-6)
+    assert out.token_ranks.item() == int((logprobs >= logprobs[7]).sum()) > 1
+    assert out.top_ids[0, 0].item() == logits[0].argmax().item()

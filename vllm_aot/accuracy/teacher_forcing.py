@@ -24,14 +24,12 @@ from vllm_aot.runtime.config import DTYPES, RuntimeConfig
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.sampler import SamplingParams
+from vllm_aot.runtime.sampler import GREEDY
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 TokenIds = Sequence[int]
-
-_GREEDY = SamplingParams(temperature=0).normalized()  # the head's logits do not depend on it
 
 
 def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -278,5 +276,5 @@ def teacher_forced_logits(
 def _decode_step(model: CompiledModel, decoding: Sequence[_Fed]) -> torch.Tensor:
     """One decode step feeding each sequence its next token; logits [len(decoding), vocab]."""
     rows = [DecodeRow(f.token_ids[f.position], f.position, f.block_table) for f in decoding]
-    sampling = [RowSampling(_GREEDY, 0, f.position + 1) for f in decoding]
+    sampling = [RowSampling(GREEDY, 0, f.position + 1) for f in decoding]
     return model.decode(rows, sampling).logits

@@ -1,7 +1,8 @@
 """The accuracy commands' bodies: `vllm-aot validate` and `vllm-aot tensors capture|compare|kv`.
 
-`serve/cli.py` declares the arguments and loads the model; these functions do the rest and
-return the exit code (0 pass, 1 fail), so CI can use them as they are.
+`add_parsers` declares the arguments; the commands load the model (`args.load_from_args`) and the
+`run_*` bodies do the rest and return the exit code (0 pass, 1 fail), so CI can use them as
+they are.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Host-side logits processing for requests that need it, in vLLM's order and semantics.
 
 Penalties, logit bias, min_tokens, bad words and allowed tokens change the distribution in ways
-the compiled head program does not model; rows that use them are re-sampled here from the raw
-logits the program returned, with the same sampler code and seeds. Rows that use none of them
-keep the on-device result.
+the compiled head program does not model; rows that use them are re-sampled here (`resample`)
+from the raw logits the program returned, by the head's own sampler (`sample_rows`) with the
+row's seed and mask. Their logprobs stay vLLM's raw ones, of that row's unprocessed logits. Rows
+that use none of them keep the on-device result.
 """
 
 from __future__ import annotations
@@ -11,6 +12,27 @@ from __future__ import annotations
 import torch
 
 from vllm_aot.plugin.requests import CachedRequest
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.inputs import RowSampling, prepare_sampling
+from vllm_aot.runtime.sampler import SamplerOutput, sample_rows
+
+
+def resample(
+    logits: torch.Tensor, request: CachedRequest, sampling: RowSampling, config: RuntimeConfig
+) -> SamplerOutput:
+    """One row's raw logits [vocab] float32 -> a one-row SamplerOutput drawn after processing.
+
+    The token comes from the processed logits; its logprob, rank and the top-n from `logits`.
+    """
+    tensors = prepare_sampling([sampling], 1, logits.shape[-1])
+    return sample_rows(
+        logits[None],
+        tensors,
+        is_greedy=sampling.params.is_greedy,
+        num_logprobs=config.num_logprobs,
+        num_candidates=config.num_sampling_candidates,
+        processed=process_logits(logits, request)[None],
+    )
 
 
 def process_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:

@@ -12,23 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 
-from vllm_aot.plugin.logits import process_logits
+from vllm_aot.plugin.logits import resample
 from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing
-from vllm_aot.runtime.inputs import (
-    DecodeRow,
-    PrefillChunk,
-    RowSampling,
-    prefill_shape,
-    prepare_sampling,
-)
+from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_shape
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.sampler import SamplerOutput, greedy_sample, random_sample
+from vllm_aot.runtime.sampler import SamplerOutput
 
 
 @dataclass(frozen=True)
@@ -46,6 +41,17 @@ class ScheduledRow:
     def is_decode(self) -> bool:
         req = self.request
         return self.num_tokens == 1 and self.is_complete and self.start >= len(req.prompt_token_ids)
+
+
+class Sampled(NamedTuple):
+    """A request's sampled token: row `row` of a head output (or of its host re-sampling)."""
+
+    out: SamplerOutput
+    row: int
+
+    @property
+    def token(self) -> int:
+        return int(self.out.tokens[self.row])
 
 
 @dataclass(frozen=True)
@@ -143,48 +149,46 @@ class AotModelRunner:
         rows, layers = self._pending
         self._pending = None
         masks = _grammar_masks(grammar_output)
-        spans = self.model.spans
-        sampled: dict[str, tuple[int, SamplerOutput, int]] = {}
+        sampled: dict[str, Sampled] = {}
         for layer in layers:
-            sampling = [
-                RowSampling(
-                    r.request.sampling,
-                    r.request.seed,
-                    r.start + r.num_tokens,
-                    masks.get(r.request.req_id),
-                )
-                for r in layer.rows
-            ]
-            out = self.model.sample(layer.hidden, sampling)
-            for i, row in enumerate(layer.rows):
-                if row.is_complete:
-                    token = int(out.tokens[i])
-                    if needs_logits_processing(row.request.params):
-                        with spans("logits_processing"):
-                            token = self._resample(out.logits[i], row, sampling[i])
-                    sampled[row.request.req_id] = (token, out, i)
-        with spans("runner_output"):
+            sampled.update(self._sample_layer(layer, masks))
+        with self.model.spans("runner_output"):
             return self._runner_output(rows, sampled)
 
-    def _resample(self, logits: torch.Tensor, row: ScheduledRow, sampling: RowSampling) -> int:
-        processed = process_logits(logits, row.request)[None]
-        tensors = prepare_sampling([sampling], 1, processed.shape[-1])
-        config = self.model.config
-        if sampling.params.top_k == 1:
-            out = greedy_sample(processed, tensors, 1)
-        else:
-            candidates = min(config.num_sampling_candidates, processed.shape[-1])
-            out = random_sample(processed, tensors, 1, candidates)
-        return int(out.tokens[0])
+    def _sample_layer(
+        self, layer: LayerOutput, masks: dict[str, torch.Tensor]
+    ) -> dict[str, Sampled]:
+        """The head over one program run; rows needing logits processing re-sampled on the host."""
+        sampling = [
+            RowSampling(
+                r.request.sampling,
+                r.request.seed,
+                r.start + r.num_tokens,
+                masks.get(r.request.req_id),
+            )
+            for r in layer.rows
+        ]
+        out = self.model.sample(layer.hidden, sampling)
+        sampled: dict[str, Sampled] = {}
+        for i, row in enumerate(layer.rows):
+            if not row.is_complete:
+                continue
+            if needs_logits_processing(row.request.params):
+                with self.model.spans("logits_processing"):
+                    resampled = resample(out.logits[i], row.request, sampling[i], self.model.config)
+                sampled[row.request.req_id] = Sampled(resampled, 0)
+            else:
+                sampled[row.request.req_id] = Sampled(out, i)
+        return sampled
 
     def _runner_output(
-        self, rows: Sequence[ScheduledRow], sampled: dict[str, tuple[int, SamplerOutput, int]]
+        self, rows: Sequence[ScheduledRow], sampled: dict[str, Sampled]
     ) -> ModelRunnerOutput:
         req_ids = [r.request.req_id for r in rows]
         tokens = []
         for row in rows:
             if row.request.req_id in sampled:
-                token = sampled[row.request.req_id][0]
+                token = sampled[row.request.req_id].token
                 row.request.output_token_ids.append(token)
                 tokens.append([token])
             else:
@@ -214,10 +218,8 @@ def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
     }
 
 
-def _logprobs(
-    rows: Sequence[ScheduledRow], sampled: dict[str, tuple[int, SamplerOutput, int]]
-) -> LogprobsLists | None:
-    """vLLM's layout: column 0 the sampled token, then the top-K; ranks are 1-based."""
+def _logprobs(rows: Sequence[ScheduledRow], sampled: dict[str, Sampled]) -> LogprobsLists | None:
+    """vLLM's layout from the head's outputs: column 0 the sampled token, then the top-k."""
     wanted = [r.request.params.logprobs for r in rows if r.request.params.logprobs is not None]
     if not wanted:
         return None
@@ -229,10 +231,9 @@ def _logprobs(
         entry = sampled.get(row.request.req_id)
         if entry is None or row.request.params.logprobs is None:
             continue
-        token, out, j = entry
-        logprobs = torch.log_softmax(out.logits[j], dim=-1)
-        ids[i, 0], values[i, 0] = token, float(logprobs[token])
+        out, j = entry
+        ids[i, 0], values[i, 0] = entry.token, float(out.token_logprobs[j])
         ids[i, 1:] = out.top_ids[j, :k].numpy()
         values[i, 1:] = out.top_logprobs[j, :k].numpy()
-        ranks[i] = int((logprobs >= logprobs[token]).sum())
+        ranks[i] = int(out.token_ranks[j])
     return LogprobsLists(ids, values, ranks)

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.sampler import SamplerOutput, SamplingParams, draw_seed
-
-GREEDY = SamplingParams(temperature=0.0)
+from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, SamplingParams, draw_seed
 
 
 @dataclass(frozen=True)

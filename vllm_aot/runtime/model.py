@@ -39,7 +39,7 @@ from vllm_aot.runtime.inputs import (
 from vllm_aot.runtime.kv_cache import KVCache
 from vllm_aot.runtime.profiling import Spans
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
-from vllm_aot.runtime.sampler import SamplerOutput, SamplingParams
+from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, all_greedy
 from vllm_aot.runtime.step_stats import StepStats
 
 
@@ -147,8 +147,7 @@ class CompiledModel:
         The greedy variant runs when every row is greedy, the sampling variant otherwise.
         """
         num_rows = hidden.shape[0]
-        is_greedy = all(r.params.top_k == 1 for r in sampling)
-        kind = ProgramKind.GREEDY if is_greedy else ProgramKind.SAMPLE
+        kind = ProgramKind.GREEDY if all_greedy(r.params for r in sampling) else ProgramKind.SAMPLE
         with self.spans("prepare_sampling"):
             tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
         w = self.weights
@@ -222,13 +221,12 @@ class CompiledModel:
         Runs the same layer and head programs a prefill step runs, the head over slices of rows.
         """
         hidden = self._prefill_layers([chunk])[0][: len(chunk.token_ids)]
-        greedy = SamplingParams(temperature=0).normalized()
         rows = max(self.config.head_row_buckets)
         logits = []
         for start in range(0, hidden.shape[0], rows):
             part = hidden[start : start + rows]
             padded = torch.zeros(rows, part.shape[1], dtype=part.dtype)
             padded[: part.shape[0]] = part
-            sampling = [RowSampling(greedy, 0, 0)] * part.shape[0]
+            sampling = [RowSampling(GREEDY, 0, 0)] * part.shape[0]
             logits.append(self.sample(padded, sampling).logits)
         return torch.cat(logits)

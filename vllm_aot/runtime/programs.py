@@ -28,13 +28,7 @@ from vllm_aot.models.layers import (
     rms_norm,
 )
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.sampler import (
-    SamplerOutput,
-    SamplingTensors,
-    greedy_sample,
-    mask_words,
-    random_sample,
-)
+from vllm_aot.runtime.sampler import SamplingTensors, mask_words, sample_rows
 
 
 class ProgramKind(StrEnum):
@@ -119,23 +113,32 @@ class Layer(nn.Module):
 
 
 class Head(nn.Module):
-    """(hidden, final_norm, lm_head, *SamplingTensors) -> SamplerOutput fields."""
+    """(hidden, final_norm, lm_head, *SamplingTensors) -> the `SamplerOutput` fields, in order.
+
+    The raw float32 logits are among the outputs because the sampler computes them anyway; the
+    caller reads them only for rows processed on the host and for validation.
+    """
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_greedy: bool) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
         self.is_greedy = is_greedy
         self.num_logprobs = config.num_logprobs
-        self.num_candidates = min(config.num_sampling_candidates, arch.vocab_size)
+        self.num_candidates = config.num_sampling_candidates
         self.linear = linear_fn(linear_impl(config.torch_dtype))
 
-    def forward(self, hidden, final_norm, lm_head, *sampling) -> SamplerOutput:
+    def forward(self, hidden, final_norm, lm_head, *sampling) -> tuple[torch.Tensor, ...]:
         t = SamplingTensors(*sampling)
         logits = self.linear(rms_norm(hidden, final_norm, self.eps), lm_head)
         logits = logits.float()
-        if self.is_greedy:
-            return tuple(greedy_sample(logits, t, self.num_logprobs))
-        return tuple(random_sample(logits, t, self.num_logprobs, self.num_candidates))
+        out = sample_rows(
+            logits,
+            t,
+            is_greedy=self.is_greedy,
+            num_logprobs=self.num_logprobs,
+            num_candidates=self.num_candidates,
+        )
+        return tuple(out)
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:

@@ -1,9 +1,15 @@
-"""On-device sampling: the tail of every head program.
+"""One sampling pipeline: the tail of every head program and of host-side re-sampling.
 
-Everything here is static-shape tensor code that runs inside the compiled head graph, so greedy
-decoding never copies logits out and sampling costs no Python per row. Two head variants exist:
-greedy (argmax under the vocabulary mask) and sampling (temperature, min-p, top-k, top-p, seeded
-exponential race). A step uses the greedy variant when every row is greedy.
+`sample_rows` runs vLLM v1's order in one pass over raw logits [rows, vocab] float32: raw
+logprobs (vLLM's default `raw_logprobs`: the model's distribution before any processing), then
+the vocabulary mask over the logits to sample from (the raw ones, or a host-processed copy), then
+greedy argmax or temperature, min-p, top-k, top-p and a seeded exponential race, then the sampled
+token's logprob and 1-based rank and the top-n logprobs. It is static-shape tensor code, so inside
+the compiled head program greedy decoding never copies logits out and sampling costs no Python per
+row. Two head variants exist: greedy (a step whose rows are all greedy, `all_greedy`) and sampling.
+
+Greedy is defined once, by `SamplingParams.is_greedy`; normalised greedy parameters (`GREEDY`)
+are top_k 1, which is how a sampling head tells greedy rows apart.
 
 Top-k and top-p are decided among the `num_candidates` most likely tokens (a full vocabulary sort
 costs ~4.5 ms per row on a CPU); a nucleus wider than that is cut at the candidates. Min-p and
@@ -13,6 +19,7 @@ plain temperature sampling are exact over the whole vocabulary.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -20,11 +27,12 @@ import torch
 
 _U32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27, so a 32-bit value times it never overflows int64
+_SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's threshold)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler. `temperature == 0` means greedy."""
+    """What one request asks of the sampler; greedy when `is_greedy`."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -45,13 +53,22 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        """The one definition of greedy: (near-)zero temperature, or top_k 1."""
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
 
     def normalized(self) -> SamplingParams:
         """A copy the compiled sampler understands: greedy becomes top_k=1 at temperature 1."""
         if self.is_greedy:
             return replace(self, temperature=1.0, top_k=1, top_p=1.0, min_p=0.0)
         return replace(self, top_k=max(self.top_k, 0))
+
+
+GREEDY = SamplingParams(temperature=0.0).normalized()  # greedy, as the head programs read it
+
+
+def all_greedy(params: Iterable[SamplingParams]) -> bool:
+    """Whether a head run may use the greedy variant: every row is greedy."""
+    return all(p.is_greedy for p in params)
 
 
 def draw_seed() -> int:
@@ -63,7 +80,7 @@ class SamplingTensors(NamedTuple):
     """Per-row sampling inputs of a head program (`rows` = the head bucket)."""
 
     temperature: torch.Tensor  # [rows] float32, > 0
-    top_k: torch.Tensor  # [rows] int64, 0 = off
+    top_k: torch.Tensor  # [rows] int64, 0 = off, 1 = greedy
     top_p: torch.Tensor  # [rows] float32
     min_p: torch.Tensor  # [rows] float32
     seeds: torch.Tensor  # [rows] int64
@@ -72,19 +89,18 @@ class SamplingTensors(NamedTuple):
 
 
 class SamplerOutput(NamedTuple):
+    """What a head program returns; every field describes the raw logits except `tokens`."""
+
     tokens: torch.Tensor  # [rows] int64
     token_logprobs: torch.Tensor  # [rows] float32, raw log-softmax of the sampled token
+    token_ranks: torch.Tensor  # [rows] int64, 1-based: tokens whose logprob >= the sampled one's
     top_logprobs: torch.Tensor  # [rows, num_logprobs] float32
     top_ids: torch.Tensor  # [rows, num_logprobs] int64
-    logits: torch.Tensor  # [rows, vocab] float32, raw
+    logits: torch.Tensor  # [rows, vocab] float32, raw; read only for host processing, validation
 
 
 def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-def allow_all_mask(rows: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((rows, mask_words(vocab_size)), -1, dtype=torch.int32)
 
 
 def unpack_vocab_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -114,31 +130,46 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def _top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: int):
-    logprobs = torch.log_softmax(logits, dim=-1)
-    token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
-    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    return token_logprobs, top_logprobs, top_ids
-
-
-def greedy_sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int) -> SamplerOutput:
-    """Argmax among allowed tokens. logits: [rows, vocab] float32."""
-    allowed = unpack_vocab_mask(t.vocab_mask, logits.shape[-1])
-    tokens = logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1)
-    return SamplerOutput(tokens, *_top_logprobs(logits, tokens, num_logprobs), logits)
-
-
-def random_sample(
-    logits: torch.Tensor, t: SamplingTensors, num_logprobs: int, num_candidates: int
+def sample_rows(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    *,
+    is_greedy: bool,
+    num_logprobs: int,
+    num_candidates: int,
+    processed: torch.Tensor | None = None,
 ) -> SamplerOutput:
-    """Temperature, min-p, top-k and top-p, then a seeded exponential race."""
-    vocab_size = logits.shape[-1]
-    allowed = unpack_vocab_mask(t.vocab_mask, vocab_size)
-    scaled = logits.masked_fill(~allowed, float("-inf")) / t.temperature[:, None]
-    probs = torch.softmax(scaled, dim=-1)  # [rows, vocab]
+    """One token per row of raw `logits` [rows, vocab] float32, with vLLM's raw logprobs.
 
+    `is_greedy` (every row greedy, `all_greedy`) leaves out the random path; without it rows
+    with top_k 1 still take the argmax. Tokens are drawn from `processed` [rows, vocab] when
+    given (host-side penalties, bias, bans), else from `logits`; the logprobs, ranks and top-n
+    always describe `logits`, before any processing or mask.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    allowed = unpack_vocab_mask(t.vocab_mask, logits.shape[-1])
+    masked = (logits if processed is None else processed).masked_fill(~allowed, float("-inf"))
+    tokens = masked.argmax(dim=-1)
+    if not is_greedy:
+        num_candidates = min(num_candidates, logits.shape[-1])
+        drawn = _random_tokens(masked, allowed, t, num_candidates)
+        tokens = torch.where(t.top_k == 1, tokens, drawn)  # normalised greedy rows: top_k 1
+    token_logprobs = logprobs.gather(1, tokens[:, None])  # [rows, 1]
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)  # 1-based, counted as vLLM counts
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    return SamplerOutput(tokens, token_logprobs[:, 0], ranks, top_logprobs, top_ids, logits)
+
+
+def _random_tokens(
+    masked: torch.Tensor, allowed: torch.Tensor, t: SamplingTensors, num_candidates: int
+) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p, then a seeded exponential race; tokens [rows].
+
+    masked: [rows, vocab] logits with disallowed tokens at -inf; allowed: [rows, vocab] bool.
+    """
+    probs = torch.softmax(masked / t.temperature[:, None], dim=-1)  # [rows, vocab]
     cand_probs, _ = probs.topk(num_candidates, dim=-1)  # [rows, cand], descending
-    rank = torch.arange(num_candidates, device=logits.device)
+    rank = torch.arange(num_candidates, device=masked.device)
     top_k = torch.where(t.top_k > 0, t.top_k, num_candidates).clamp(max=num_candidates)
     mass_before = cand_probs.cumsum(dim=-1) - cand_probs
     kept = (rank[None, :] < top_k[:, None]) & (mass_before < t.top_p[:, None])
@@ -149,7 +180,6 @@ def random_sample(
     threshold = torch.maximum(threshold, t.min_p[:, None] * cand_probs[:, :1])
     keep = (probs >= threshold) & allowed
 
-    noise = -torch.log(seeded_uniform(t.seeds, t.positions, vocab_size))
+    noise = -torch.log(seeded_uniform(t.seeds, t.positions, masked.shape[-1]))
     race = torch.where(keep, probs / noise, -1.0)
-    tokens = race.argmax(dim=-1)
-    return SamplerOutput(tokens, *_top_logprobs(logits, tokens, num_logprobs), logits)
+    return race.argmax(dim=-1)
