@@ -61,7 +61,8 @@ def dp_server(tiny_model_dirs, tmp_path_factory):
 def stream_completion(url: str, max_tokens: int, events: list, started: threading.Event | None):
     """Stream one completion; append (replica, [SSE payloads]) to `events`."""
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
     payloads: list[str] = []
     replica = None
     try:
@@ -77,6 +78,20 @@ def stream_completion(url: str, max_tokens: int, events: list, started: threadin
     except httpx.HTTPError as exc:
         payloads.append(f"transport error: {exc!r}")
     events.append((replica, payloads))
+
+
+def completion_tokens(payloads: list[str]) -> int:
+    """Tokens the stream delivered, from its usage chunk (vLLM may merge tokens into one event
+    when the client lags, so events are not tokens)."""
+    usage = [json.loads(p)["usage"] for p in payloads if p.startswith("{") and '"usage"' in p]
+    return next(u["completion_tokens"] for u in reversed(usage) if u)
+
+
+def wait_all_healthy(url: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r["healthy"] for r in httpx.get(f"{url}/health", timeout=30).json()["replicas"]):
+        assert time.monotonic() < deadline, "a replica did not become healthy"
+        time.sleep(1)
 
 
 def run_streams(url: str, num_streams: int, max_tokens: int, during=None):
@@ -116,7 +131,7 @@ def test_two_replicas_serve_concurrent_streams(dp_server):
     assert len(events) == 6
     for _, payloads in events:
         assert payloads[-1] == "[DONE]"
-        assert len(payloads) == 17  # 16 tokens + [DONE]
+        assert completion_tokens(payloads) == 16
     assert {replica for replica, _ in events} == {"0", "1"}
 
 
@@ -131,6 +146,7 @@ def test_metrics_have_both_replicas_series(dp_server):
 
 def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp_server):
     url, process, log = dp_server
+    wait_all_healthy(url)
     health = httpx.get(f"{url}/health", timeout=30).json()
     port = health["replicas"][0]["url"].rsplit(":", 1)[1]
     victim = next(p for p in psutil.Process(process.pid).children() if port in p.cmdline())
@@ -145,7 +161,7 @@ def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp
         assert "replica 0 failed" in payloads[-1]
     for payloads in by_replica["1"]:
         assert payloads[-1] == "[DONE]"
-        assert len(payloads) == 231
+        assert completion_tokens(payloads) == 230
 
     health = httpx.get(f"{url}/health", timeout=30)
     assert health.status_code == 200  # one replica is enough
@@ -164,7 +180,8 @@ def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp
 
 
 def test_sigterm_stops_every_process(dp_server):
-    _, process, log = dp_server
+    url, process, log = dp_server
+    wait_all_healthy(url)  # not in the middle of an earlier test's restart
     children = descendants(process)
     assert len(children) >= 4  # two API servers and their engines
     start = time.monotonic()
