@@ -3,7 +3,8 @@
 Per step: forget finished requests, record new and updated ones (the scheduler sends prompts,
 blocks and sampling parameters once; we keep the tokens we sample), then run the layers in
 `execute_model` and the head in `sample_tokens`, after vLLM has computed the grammar bitmask for
-structured-output requests. A step is all-prefill or all-decode (AotScheduler's guarantee).
+structured-output requests. A step is one prompt's chunk or every running request's decode
+(the policy's steps, `runtime/policy.py`, AotScheduler's guarantee).
 While a profiler records, the host-side phases are named ranges (`update_states`,
 `logits_processing`, `runner_output`) around the model's own (see CompiledModel).
 """

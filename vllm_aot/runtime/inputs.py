@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_aot.runtime.buckets import fitting_bucket, pick_bucket
+from vllm_aot.runtime.buckets import fitting_bucket
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.kv_cache import DUMMY_BLOCK, blocks_needed
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind
@@ -81,8 +81,10 @@ def _num_context_tokens(chunks: Sequence[PrefillChunk], block_size: int) -> int:
     return block_size * sum(blocks_needed(c.num_cached, block_size) for c in chunks)
 
 
-def prefill_key(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> ProgramKey | None:
-    """The prefill program for these chunks packed in one step; None if no bucket fits them."""
+def _prefill_buckets(
+    chunks: Sequence[PrefillChunk], config: RuntimeConfig
+) -> tuple[ProgramKey, int] | None:
+    """(the prefill program, the head's row bucket) for these chunks; None if any is too big."""
     num_tokens = fitting_bucket(config.prefill_token_buckets, sum(len(c.token_ids) for c in chunks))
     num_ctx_tokens = fitting_bucket(
         config.prefill_context_buckets, _num_context_tokens(chunks, config.block_size)
@@ -90,7 +92,13 @@ def prefill_key(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Progra
     num_rows = fitting_bucket(config.head_row_buckets, len(chunks))
     if num_tokens is None or num_ctx_tokens is None or num_rows is None:
         return None
-    return ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
+    return ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens), num_rows
+
+
+def prefill_key(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> ProgramKey | None:
+    """The prefill program for these chunks packed in one step; None if no bucket fits them."""
+    buckets = _prefill_buckets(chunks, config)
+    return None if buckets is None else buckets[0]
 
 
 def _refuse_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> ValueError:
@@ -104,11 +112,10 @@ def _refuse_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Va
 
 def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> PrefillInputs:
     """Padded inputs of `prefill_key`'s program; ValueError, naming the limits, if none fits."""
-    key = prefill_key(chunks, config)
-    if key is None:
+    buckets = _prefill_buckets(chunks, config)
+    if buckets is None:
         raise _refuse_prefill(chunks, config)
-    num_tokens, num_ctx_tokens = key.size, key.context_tokens
-    num_rows = pick_bucket(config.head_row_buckets, len(chunks))
+    key, num_rows = buckets
     bs = config.block_size
     token_ids, positions, slots, q_seq = [], [], [], []
     ctx_blocks, key_seq, key_pos = [], [], []
@@ -127,24 +134,17 @@ def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Pr
             is_cached = p < chunk.num_cached
             key_seq.append(seq if is_cached else _PAD_KEY_SEQ)
             key_pos.append(p)
-    num_pad = num_tokens - len(token_ids)
+    num_pad = key.size - len(token_ids)
     token_ids += [0] * num_pad
     positions += [0] * num_pad
     slots += [DUMMY_BLOCK * bs] * num_pad
     q_seq += [_PAD_SEQ] * num_pad
-    num_ctx_pad = num_ctx_tokens // bs - len(ctx_blocks)
+    num_ctx_pad = key.context_tokens // bs - len(ctx_blocks)
     ctx_blocks += [DUMMY_BLOCK] * num_ctx_pad
     key_seq += [_PAD_KEY_SEQ] * (num_ctx_pad * bs)
     key_pos += [0] * (num_ctx_pad * bs)
     logits_indices += [0] * (num_rows - len(chunks))
-
-    q_seq_t = torch.tensor(q_seq)
     positions_t = torch.tensor(positions)
-    all_key_seq = torch.cat([torch.tensor(key_seq, dtype=torch.int64), q_seq_t])
-    all_key_pos = torch.cat([torch.tensor(key_pos, dtype=torch.int64), positions_t])
-    attn_mask = (all_key_seq[None, :] == q_seq_t[:, None]) & (
-        all_key_pos[None, :] <= positions_t[:, None]
-    )
     return PrefillInputs(
         key=key,
         num_rows=num_rows,
@@ -152,9 +152,16 @@ def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Pr
         positions=positions_t,
         slot_mapping=torch.tensor(slots),
         context_block_ids=torch.tensor(ctx_blocks, dtype=torch.int64),
-        attn_mask=attn_mask,
+        attn_mask=_prefill_mask(torch.tensor(q_seq), positions_t, key_seq, key_pos),
         logits_indices=torch.tensor(logits_indices),
     )
+
+
+def _prefill_mask(q_seq: torch.Tensor, positions: torch.Tensor, key_seq, key_pos) -> torch.Tensor:
+    """[tokens, cached keys + tokens] bool: a query sees its own sequence's keys up to itself."""
+    all_key_seq = torch.cat([torch.tensor(key_seq, dtype=torch.int64), q_seq])
+    all_key_pos = torch.cat([torch.tensor(key_pos, dtype=torch.int64), positions])
+    return (all_key_seq[None, :] == q_seq[:, None]) & (all_key_pos[None, :] <= positions[:, None])
 
 
 def decode_key(rows: Sequence[DecodeRow], config: RuntimeConfig) -> ProgramKey | None:
