@@ -27,6 +27,7 @@ from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import Limits, StepKind
 from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import SamplingParams
+from vllm_aot.runtime.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -267,56 +268,39 @@ def teacher_forced_logits(
         for i, (token_ids, num_prompt) in enumerate(zip(sequences, prompt_lengths, strict=True))
     )
     parts: list[list[torch.Tensor]] = [[] for _ in sequences]
+    scheduler = Scheduler(
+        Limits.of(model.config, model.kv.num_blocks), BlockAllocator(model.kv.num_blocks)
+    )
+    last = None
     with torch.no_grad():
-        _TeacherForcing(model, sequences, parts).run(arrivals)
+        while arrivals or scheduler.has_requests:
+            # The next sequence arrives once the one before was released and a decode step ran
+            # (or nothing runs): at most one joins the batch between two decode steps.
+            has_turn = last is StepKind.DECODE or not scheduler.running
+            if arrivals and not scheduler.waiting and has_turn:
+                scheduler.add(arrivals.popleft())
+            step = scheduler.schedule()
+            for state, logits in _run(model, step, scheduler.limits):
+                token_ids = sequences[int(state.req_id)]
+                parts[int(state.req_id)].append(logits)
+                # The teacher-forced token takes the place of a sampled one.
+                if state.num_computed_tokens == state.num_tokens < len(token_ids):
+                    state.output_token_ids.append(token_ids[state.num_tokens])
+            scheduler.finish(
+                s
+                for s in scheduler.running
+                if s.num_computed_tokens == len(sequences[int(s.req_id)])
+            )
+            last = step.kind
     return [torch.cat(p).float() for p in parts]
 
 
-class _TeacherForcing:
-    """The loop of `teacher_forced_logits`: policy steps over arriving sequences."""
-
-    def __init__(
-        self, model: CompiledModel, sequences: Sequence[TokenIds], parts: list[list[torch.Tensor]]
-    ) -> None:
-        self.model = model
-        self.sequences = sequences
-        self.parts = parts  # per sequence, its logits so far
-        self.limits = Limits.of(model.config, model.kv.num_blocks)
-        self.allocator = BlockAllocator(model.kv.num_blocks)
-
-    def run(self, arrivals: deque[RequestState]) -> None:
-        waiting: deque[RequestState] = deque()
-        running: list[RequestState] = []
-        last = None
-        while arrivals or waiting or running:
-            if arrivals and not waiting and (last is StepKind.DECODE or not running):
-                waiting.append(arrivals.popleft())
-            step = policy.schedule(running, waiting, self.limits)
-            if step.kind is StepKind.RELEASE:
-                state = waiting.popleft()
-                blocks = policy.worst_case_blocks(state, self.limits)
-                state.block_table = self.allocator.allocate(blocks)
-                running.append(state)
-            assert step.requests, "the KV pool cannot hold one sequence at max_model_len"
-            self._run(step)
-            for state in [s for s in running if s.num_computed_tokens == self._length(s)]:
-                running.remove(state)
-                self.allocator.free(state.block_table)
-            last = step.kind
-
-    def _length(self, state: RequestState) -> int:
-        return len(self.sequences[int(state.req_id)])
-
-    def _run(self, step: policy.Step[RequestState]) -> None:
-        if step.kind is StepKind.DECODE:
-            logits = _decode_step(self.model, step.requests)
-            fed = [(state, logits[i : i + 1]) for i, state in enumerate(step.requests)]
-        else:
-            (state,) = step.requests
-            fed = [(state, _prefill_step(self.model, state, self.limits))]
-        for state, logits in fed:
-            self.parts[int(state.req_id)].append(logits)
-            # The teacher-forced token takes the place of a sampled one.
-            if state.num_computed_tokens == state.num_tokens < self._length(state):
-                token_ids = self.sequences[int(state.req_id)]
-                state.output_token_ids.append(token_ids[state.num_tokens])
+def _run(
+    model: CompiledModel, step: policy.Step[RequestState], limits: Limits
+) -> list[tuple[RequestState, torch.Tensor]]:
+    """Run one step; each fed request with its logits, [tokens fed, vocab]."""
+    if step.kind is StepKind.DECODE:
+        logits = _decode_step(model, step.requests)
+        return [(state, logits[i : i + 1]) for i, state in enumerate(step.requests)]
+    (state,) = step.requests
+    return [(state, _prefill_step(model, state, limits))]

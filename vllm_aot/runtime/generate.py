@@ -8,7 +8,6 @@ All requests arrive together, in order.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import Limits, StepKind
 from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import SamplerOutput, SamplingParams, draw_seed
+from vllm_aot.runtime.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -64,25 +64,16 @@ class Generator:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         for request in requests:
             self.validate(request)
-        states = [self._new_state(str(i), r) for i, r in enumerate(requests)]
-        by_id = {
-            s.req_id: (r, GenerationResult(list(r.prompt_token_ids)))
-            for s, r in zip(states, requests, strict=True)
-        }
-        waiting, running = deque(states), []
-        while waiting or running:
-            step = policy.schedule(running, waiting, self.limits)
-            if step.kind is StepKind.RELEASE:
-                state = waiting.popleft()
-                blocks = policy.worst_case_blocks(state, self.limits)
-                state.block_table = self.allocator.allocate(blocks)
-                running.append(state)
-            assert step.requests, "admission must make progress: a request needs more blocks"
-            for state, out, row in self._run(step):
+        scheduler = Scheduler(self.limits, self.allocator)
+        by_id: dict[str, tuple[GenerationRequest, GenerationResult]] = {}
+        for i, request in enumerate(requests):
+            state = self._new_state(str(i), request)
+            by_id[state.req_id] = (request, GenerationResult(list(request.prompt_token_ids)))
+            scheduler.add(state)
+        while scheduler.has_requests:
+            for state, out, row in self._run(scheduler.schedule()):
                 self._append(state, *by_id[state.req_id], out, row)
-            for state in [s for s in running if by_id[s.req_id][1].finish_reason]:
-                running.remove(state)
-                self.allocator.free(state.block_table)
+            scheduler.finish(s for s in scheduler.running if by_id[s.req_id][1].finish_reason)
         return [result for _, result in by_id.values()]
 
     def _new_state(self, req_id: str, request: GenerationRequest) -> RequestState:
