@@ -1,5 +1,9 @@
 """AotScheduler without a device or worker: hand-built requests, a fabricated runner.
 
+Which steps run is the policy's (`tests/test_policy.py`); here vLLM's scheduler is checked to
+take exactly those steps for the same arrivals, and for what is vLLM's own: requests held in
+its waiting queue, blocks freed on finish and abort, prefix-cache hits, grammar readiness.
+
 Each step is scheduled, answered the way our runner answers (a token for a row that reaches the
 end of its request's known tokens, nothing for a prefill chunk that does not), and fed back with
 `update_from_output`. What a row *is* follows the runner too: a decode row is one token at or
@@ -25,12 +29,17 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
+from tests.policy_trace import (
+    BLOCK_SIZE,
+    CHUNK,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    SCENARIOS,
+    TraceStep,
+    simulate,
+)
 from vllm_aot.plugin.scheduler import AotScheduler
 
-BLOCK_SIZE = 16
-MAX_NUM_SEQS = 4
-CHUNK = 64  # max_num_batched_tokens
-MAX_MODEL_LEN = 256
 SAMPLED = 7  # the token our fake runner always samples (no EOS is set, so never a stop)
 
 
@@ -173,102 +182,41 @@ def run_all(scheduler: AotScheduler, max_steps: int = 1000) -> list[Step]:
     return steps
 
 
-def first_step(steps: list[Step], req_id: str) -> int:
-    return next(i for i, s in enumerate(steps) if req_id in s.scheduled)
-
-
 def assert_never_mixed(steps: list[Step]) -> None:
     for i, step in enumerate(steps):
         assert not (step.prefill and step.decode), f"step {i} mixes {step.prefill} {step.decode}"
         assert len(step.prefill) <= 1, f"step {i} runs several prefills: {step.prefill}"
 
 
-def test_holdback_releases_fifo_one_per_step(make_scheduler, make_request):
-    """Waiting requests start in arrival order, one new prefill per step."""
-    scheduler = make_scheduler()
-    for req_id in "ABC":
-        scheduler.add_request(make_request(req_id, 10, max_tokens=3))
-
-    steps = run_all(scheduler)
-
-    assert [s.prefill for s in steps[:3]] == [["A"], ["B"], ["C"]]
-    assert [len(s.output.scheduled_new_reqs) for s in steps[:3]] == [1, 1, 1]
-    assert set(steps[3].decode) == {"A", "B", "C"}
-    assert_never_mixed(steps)
+def trace_of(step: Step) -> TraceStep:
+    if step.prefill:
+        (req_id,) = step.prefill
+        return ("prefill", req_id, step.output.num_scheduled_tokens[req_id])
+    return ("decode", tuple(sorted(step.decode)))
 
 
-def test_one_prefill_at_a_time(make_scheduler, make_request):
-    """A long prompt is chunked alone; the next prompt starts only after it is fully computed."""
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("A", 150, max_tokens=2))
-    scheduler.add_request(make_request("B", 150, max_tokens=2))
-
-    steps = run_all(scheduler)
-
-    chunks = [(s.scheduled, s.output.total_num_scheduled_tokens) for s in steps[:6]]
-    assert chunks == [
-        (["A"], 64),
-        (["A"], 64),
-        (["A"], 22),
-        (["B"], 64),
-        (["B"], 64),
-        (["B"], 22),
-    ]
-    assert first_step(steps, "B") == 3
-    assert set(steps[6].decode) == {"A", "B"}  # both decode together afterwards
-    assert_never_mixed(steps)
-
-
-def test_never_a_mixed_step(make_scheduler, make_request):
-    """Over a whole run no step mixes prefill and decode rows; decodes batch every running one."""
-    scheduler = make_scheduler()
-    # 65 and 129 leave a one-token last chunk: still prompt, not a decode.
-    shapes = [(30, 5), (65, 3), (100, 8), (10, 2), (129, 4), (64, 6), (1, 3)]
-    for i, (prompt_len, max_tokens) in enumerate(shapes):
-        scheduler.add_request(make_request(f"r{i}", prompt_len, max_tokens=max_tokens))
-
-    steps = run_all(scheduler)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_steps_are_the_policys(make_scheduler, make_request, name):
+    """For the same arrivals, vLLM's scheduler takes the policy's steps (tests/test_policy.py
+    states what they are), every request finishes, and no step mixes prefill and decode."""
+    num_kv_blocks, arrivals = SCENARIOS[name]
+    scheduler = make_scheduler(num_blocks=num_kv_blocks)
+    steps: list[Step] = []
+    for arrival in sorted(arrivals, key=lambda a: a.step):
+        while len(steps) < arrival.step:
+            steps.append(run_step(scheduler))
+        request = make_request(arrival.req_id, arrival.num_prompt_tokens, arrival.max_tokens)
+        scheduler.add_request(request)
+    steps += run_all(scheduler)
 
     assert_never_mixed(steps)
+    assert [trace_of(s) for s in steps] == simulate(arrivals, num_kv_blocks)
     for i, step in enumerate(steps):
         if step.decode:
             assert set(step.decode) == step.running, f"step {i} leaves a running request out"
     finished = [req_id for s in steps for req_id in s.finished]
-    assert sorted(finished) == sorted(f"r{i}" for i in range(len(shapes)))
-
-
-def test_last_prompt_token_is_not_batched_with_decodes(make_scheduler, make_request):
-    """A prompt with one token left after its chunks runs that token alone, as a prefill."""
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("D", 10, max_tokens=20))
-    run_step(scheduler)  # D is decoding from now on
-    scheduler.add_request(make_request("P", 65, max_tokens=2))
-
-    steps = run_all(scheduler)
-
-    assert steps[0].prefill == ["P"] and steps[0].output.num_scheduled_tokens["P"] == 64
-    assert steps[1].prefill == ["P"] and steps[1].output.num_scheduled_tokens["P"] == 1
-    assert set(steps[2].decode) == {"D", "P"}
-    assert_never_mixed(steps)
-
-
-def test_admission_holds_request_until_worst_case_fits(make_scheduler, make_request):
-    """A request whose worst case does not fit waits (no preemption later), then runs."""
-    scheduler = make_scheduler(num_blocks=21)  # 20 usable blocks
-    scheduler.add_request(make_request("A", 20, max_tokens=100))  # 120 tokens: 8 blocks
-    scheduler.add_request(make_request("B", 20, max_tokens=140))  # 160 tokens: 10 blocks
-    scheduler.add_request(make_request("C", 20, max_tokens=140))  # 10 more: 28 > 20
-
-    steps = run_all(scheduler)
-
-    a_done = next(i for i, s in enumerate(steps) if "A" in s.finished)
-    c_start = first_step(steps, "C")
-    assert c_start == a_done + 1
-    # Meanwhile C was plainly waiting, though its prompt alone would have fitted.
-    held = steps[2:a_done]
-    assert held and all("C" not in s.scheduled and s.running == {"A", "B"} for s in held)
+    assert sorted(finished) == sorted(a.req_id for a in arrivals)
     assert not any(s.output.preempted_req_ids for s in steps)
-    assert_never_mixed(steps)
 
 
 def test_admission_holds_request_while_blocks_are_free(make_scheduler, make_request):
@@ -288,20 +236,6 @@ def test_admission_holds_request_while_blocks_are_free(make_scheduler, make_requ
     assert request_c in list(scheduler.waiting)
     assert request_c not in scheduler.running
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > 2  # C's prompt fits
-
-
-def test_max_num_seqs_caps_running(make_scheduler, make_request):
-    """With blocks to spare, at most max_num_seqs requests run; the fifth starts after one ends."""
-    scheduler = make_scheduler(num_blocks=200)
-    for i in range(6):
-        scheduler.add_request(make_request(f"r{i}", 10, max_tokens=3 + i))
-
-    steps = run_all(scheduler)
-
-    assert max(len(s.running) for s in steps) == MAX_NUM_SEQS
-    r0_done = next(i for i, s in enumerate(steps) if "r0" in s.finished)
-    assert first_step(steps, "r4") == r0_done + 1
-    assert_never_mixed(steps)
 
 
 def test_finished_request_frees_blocks(make_scheduler, make_request):

@@ -14,17 +14,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_aot.runtime import policy
 from vllm_aot.runtime.config import DTYPES, RuntimeConfig
-from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
+from vllm_aot.runtime.inputs import PrefillChunk, prefill_key
 from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
 from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.policy import Limits, StepKind
+from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import GREEDY
+from vllm_aot.runtime.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -159,14 +162,14 @@ def check_feedable(config: RuntimeConfig, num_tokens: int, num_prompt_tokens: in
         )
     if not 1 <= num_prompt_tokens <= num_tokens:
         raise ValueError(f"num_prompt_tokens must be in 1..{num_tokens}, got {num_prompt_tokens}")
-    chunk_size = max(config.prefill_token_buckets)
+    chunk_size = config.max_num_batched_tokens
     last_start = (num_prompt_tokens - 1) // chunk_size * chunk_size
-    num_ctx = blocks_needed(last_start, config.block_size) * config.block_size
-    if num_ctx > max(config.prefill_context_buckets):
+    last_chunk = PrefillChunk(range(last_start, num_prompt_tokens), last_start, ())
+    if prefill_key([last_chunk], config) is None:
         raise ValueError(
-            f"{num_prompt_tokens} prompt tokens need a last chunk reading {num_ctx} cached "
-            f"tokens, more than the largest prefill context bucket "
-            f"({max(config.prefill_context_buckets)})"
+            f"the last chunk of {num_prompt_tokens} prompt tokens, reading {last_start} cached "
+            f"tokens, fits no prefill program (largest context bucket: "
+            f"{max(config.prefill_context_buckets)} tokens)"
         )
     # Decode reads at most max_model_len - 1 cached tokens: the largest decode bucket holds them.
 
@@ -190,34 +193,51 @@ def sequence_blocks(model: CompiledModel, num_tokens: int) -> Iterator[list[int]
 def feed_sequence(
     model: CompiledModel, token_ids: TokenIds, block_table: Sequence[int]
 ) -> torch.Tensor:
-    """Teacher-force `token_ids` through `block_table` with prefill programs, chunk by chunk;
-    logits as `our_logits`.
+    """Teacher-force `token_ids` through `block_table` with prefill programs, chunk by chunk
+    (the policy's chunks); logits as `our_logits`.
 
     The sequence's K/V stay in the pool afterwards (for KV analysis) until the blocks are reused.
     """
-    chunk_size = max(model.config.prefill_token_buckets)
+    state = _forced_state("0", token_ids, len(token_ids))
+    state.block_table = list(block_table)
+    limits = Limits.of(model.config, model.kv.num_blocks)
+    parts = []
     with torch.no_grad():
-        parts = [
-            model.prefill_logits(
-                PrefillChunk(list(token_ids[start : start + chunk_size]), start, block_table)
-            )
-            for start in range(0, len(token_ids), chunk_size)
-        ]
+        while policy.is_prefilling(state):
+            parts.append(_prefill_step(model, state, limits))
     return torch.cat(parts).float()
 
 
-@dataclass
-class _Fed:
-    """A sequence being teacher-forced: its prompt waits for prefill, then its rest is decoded."""
+def _forced_state(req_id: str, token_ids: TokenIds, num_prompt: int) -> RequestState:
+    """A sequence as a request: its prompt, then its continuation fed as if generated.
 
-    index: int  # in the caller's sequences
-    token_ids: TokenIds
-    position: int  # of the next token to decode (the prompt's length until it is prefilled)
-    block_table: list[int] = field(default_factory=list)  # [blocks for every token]
+    It generates one token more than the continuation holds: the prediction after the last
+    token, the final logits row (the token itself is never fed)."""
+    return RequestState(
+        req_id=req_id,
+        prompt_token_ids=list(token_ids[:num_prompt]),
+        max_tokens=len(token_ids) - num_prompt + 1,
+        sampling=GREEDY,
+        seed=0,
+    )
 
-    @property
-    def is_done(self) -> bool:
-        return self.position == len(self.token_ids)
+
+def _prefill_step(model: CompiledModel, state: RequestState, limits: Limits) -> torch.Tensor:
+    """The state's next prefill chunk; logits at its positions, [chunk tokens, vocab]."""
+    positions = policy.next_chunk(state, limits)
+    logits = model.prefill_logits(state.prefill_chunk(positions))
+    state.num_computed_tokens = positions.stop
+    return logits
+
+
+def _decode_step(model: CompiledModel, states: Sequence[RequestState]) -> torch.Tensor:
+    """One decode step feeding each state its newest token; logits [len(states), vocab]."""
+    rows = [s.decode_row() for s in states]
+    sampling = [s.row_sampling(s.num_tokens) for s in states]
+    logits = model.decode(rows, sampling).logits
+    for state in states:
+        state.num_computed_tokens += 1
+    return logits
 
 
 def teacher_forced_logits(
@@ -226,11 +246,11 @@ def teacher_forced_logits(
     """Each sequence's logits as `our_logits`, its first `prompt_lengths[i]` tokens prefilled and
     the rest decoded; one [len(sequence), vocab] float32 tensor per sequence, in order.
 
-    The schedule is a server's with one request arriving per step: while a decode row and the
-    KV blocks of the whole sequence are free, the next sequence is admitted and its prompt
-    prefilled alone (chunked); then one decode step feeds every admitted sequence with
-    continuation left its next teacher-forced token, and a sequence leaves when its last token
-    is fed. So sequences join and leave the batch at different steps: decode runs in batch
+    Steps follow the serving policy (`runtime/policy.py`) with one sequence arriving at a time:
+    the first at once, each next one after a decode step once the one before was released (or
+    when nothing runs). A released prompt is prefilled alone, chunk by chunk; every decode step
+    feeds each running sequence its next teacher-forced token; a sequence leaves when its last
+    token is fed. So sequences join and leave the batch at different steps: decode runs in batch
     buckets from 1 up to the largest with padded rows, and prefills run between decode steps of
     other sequences, as in serving. Row `prompt_lengths[i] - 1` (the first continuation token's
     prediction) comes from the prompt's last prefill chunk, as the first sampled token does in
@@ -239,42 +259,46 @@ def teacher_forced_logits(
     """
     if len(sequences) != len(prompt_lengths):
         raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
-    config = model.config
     for token_ids, num_prompt in zip(sequences, prompt_lengths, strict=True):
-        check_feedable(config, len(token_ids), num_prompt)
-    max_rows = max(config.decode_batch_buckets)
-    allocator = BlockAllocator(model.kv.num_blocks)
-    parts: list[list[torch.Tensor]] = [[] for _ in sequences]
-    waiting = deque(
-        _Fed(index=i, token_ids=token_ids, position=num_prompt)
+        check_feedable(model.config, len(token_ids), num_prompt)
+    arrivals = deque(
+        _forced_state(str(i), token_ids, num_prompt)
         for i, (token_ids, num_prompt) in enumerate(zip(sequences, prompt_lengths, strict=True))
     )
-    running: list[_Fed] = []
+    parts: list[list[torch.Tensor]] = [[] for _ in sequences]
+    scheduler = Scheduler(
+        Limits.of(model.config, model.kv.num_blocks), BlockAllocator(model.kv.num_blocks)
+    )
+    last = None
     with torch.no_grad():
-        while waiting or running:
-            if waiting and len(running) < max_rows:
-                fed = waiting[0]
-                num_blocks = blocks_needed(len(fed.token_ids), config.block_size)
-                # With nothing running the allocation must succeed (or raise MemoryError).
-                if num_blocks <= allocator.num_free or not running:
-                    waiting.popleft()
-                    fed.block_table = allocator.allocate(num_blocks)
-                    prompt = fed.token_ids[: fed.position]
-                    parts[fed.index].append(feed_sequence(model, prompt, fed.block_table))
-                    running.append(fed)
-            decoding = [fed for fed in running if not fed.is_done]
-            if decoding:
-                for fed, logits in zip(decoding, _decode_step(model, decoding), strict=True):
-                    parts[fed.index].append(logits[None])
-                    fed.position += 1
-            for fed in [fed for fed in running if fed.is_done]:
-                running.remove(fed)
-                allocator.free(fed.block_table)
+        while arrivals or scheduler.has_requests:
+            # The next sequence arrives once the one before was released and a decode step ran
+            # (or nothing runs): at most one joins the batch between two decode steps.
+            has_turn = last is StepKind.DECODE or not scheduler.running
+            if arrivals and not scheduler.waiting and has_turn:
+                scheduler.add(arrivals.popleft())
+            step = scheduler.schedule()
+            for state, logits in _run(model, step, scheduler.limits):
+                token_ids = sequences[int(state.req_id)]
+                parts[int(state.req_id)].append(logits)
+                # The teacher-forced token takes the place of a sampled one.
+                if state.num_computed_tokens == state.num_tokens < len(token_ids):
+                    state.output_token_ids.append(token_ids[state.num_tokens])
+            scheduler.finish(
+                s
+                for s in scheduler.running
+                if s.num_computed_tokens == len(sequences[int(s.req_id)])
+            )
+            last = step.kind
     return [torch.cat(p).float() for p in parts]
 
 
-def _decode_step(model: CompiledModel, decoding: Sequence[_Fed]) -> torch.Tensor:
-    """One decode step feeding each sequence its next token; logits [len(decoding), vocab]."""
-    rows = [DecodeRow(f.token_ids[f.position], f.position, f.block_table) for f in decoding]
-    sampling = [RowSampling(GREEDY, 0, f.position + 1) for f in decoding]
-    return model.decode(rows, sampling).logits
+def _run(
+    model: CompiledModel, step: policy.Step[RequestState], limits: Limits
+) -> list[tuple[RequestState, torch.Tensor]]:
+    """Run one step; each fed request with its logits, [tokens fed, vocab]."""
+    if step.kind is StepKind.DECODE:
+        logits = _decode_step(model, step.requests)
+        return [(state, logits[i : i + 1]) for i, state in enumerate(step.requests)]
+    (state,) = step.requests
+    return [(state, _prefill_step(model, state, limits))]

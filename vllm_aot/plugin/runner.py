@@ -3,7 +3,8 @@
 Per step: forget finished requests, record new and updated ones (the scheduler sends prompts,
 blocks and sampling parameters once; we keep the tokens we sample), then run the layers in
 `execute_model` and the head in `sample_tokens`, after vLLM has computed the grammar bitmask for
-structured-output requests. A step is all-prefill or all-decode (AotScheduler's guarantee).
+structured-output requests. A step is one prompt's chunk or every running request's decode
+(the policy's steps, `runtime/policy.py`, AotScheduler's guarantee).
 While a profiler records, the host-side phases are named ranges (`update_states`,
 `logits_processing`, `runner_output`) around the model's own (see CompiledModel).
 """
@@ -21,8 +22,9 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunne
 
 from vllm_aot.plugin.logits import resample
 from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing
-from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_shape
+from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_key
 from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.policy import is_prefilling
 from vllm_aot.runtime.sampler import SamplerOutput
 
 
@@ -39,8 +41,8 @@ class ScheduledRow:
 
     @property
     def is_decode(self) -> bool:
-        req = self.request
-        return self.num_tokens == 1 and self.is_complete and self.start >= len(req.prompt_token_ids)
+        """One token, the newest, past the prompt (the policy's decode, see is_prefilling)."""
+        return self.num_tokens == 1 and not is_prefilling(self.request)
 
 
 class Sampled(NamedTuple):
@@ -120,27 +122,25 @@ class AotModelRunner:
             decode_rows = [
                 DecodeRow(r.request.token(r.start), r.start, r.request.block_table) for r in rows
             ]
-            layers = [LayerOutput(tuple(rows), self.model.forward_decode(decode_rows))]
+            hidden = self.model.forward_decode(decode_rows)
         else:
-            layers = [
-                LayerOutput(tuple(group), self.model.forward_prefill([_chunk(r) for r in group]))
-                for group in self._prefill_groups(rows)
-            ]
-        self._pending = (rows, layers)
+            hidden = self.model.forward_prefill([self._prefill_chunk(rows)])
+        self._pending = (rows, [LayerOutput(tuple(rows), hidden)])
         return None
 
-    def _prefill_groups(self, rows: Sequence[ScheduledRow]) -> list[list[ScheduledRow]]:
-        """Split a prefill step into runs that each fit one prefill program."""
-        groups: list[list[ScheduledRow]] = [[]]
-        for row in rows:
-            candidate = [*groups[-1], row]
-            try:
-                prefill_shape([_chunk(r) for r in candidate], self.model.config)
-                groups[-1] = candidate
-            except ValueError:
-                assert groups[-1], f"request {row.request.req_id} fits no prefill program"
-                groups.append([row])
-        return groups
+    def _prefill_chunk(self, rows: Sequence[ScheduledRow]) -> PrefillChunk:
+        """A prefill step's one chunk: AotScheduler schedules one that fits a prefill program."""
+        assert len(rows) == 1, (
+            f"prefill step of {len(rows)} requests; AotScheduler runs one prompt chunk per step"
+        )
+        (row,) = rows
+        chunk = row.request.prefill_chunk(range(row.start, row.start + row.num_tokens))
+        assert prefill_key([chunk], self.model.config) is not None, (
+            f"request {row.request.req_id}'s chunk of {row.num_tokens} tokens after "
+            f"{row.start} cached fits no prefill program; max_num_batched_tokens must be the "
+            f"largest prefill bucket ({max(self.model.config.prefill_token_buckets)})"
+        )
+        return chunk
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         """Head programs (with structured-output masks), host-side processing, runner output."""
@@ -199,13 +199,6 @@ class AotModelRunner:
             sampled_token_ids=tokens,
             logprobs=_logprobs(rows, sampled),
         )
-
-
-def _chunk(row: ScheduledRow) -> PrefillChunk:
-    req = row.request
-    return PrefillChunk(
-        req.tokens(row.start, row.start + row.num_tokens), row.start, req.block_table
-    )
 
 
 def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:

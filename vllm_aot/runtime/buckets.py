@@ -17,12 +17,17 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+def fitting_bucket(buckets: Sequence[int], needed: int) -> int | None:
+    """The smallest bucket >= needed; None if none is that large."""
+    return min((b for b in buckets if b >= needed), default=None)
+
+
 def pick_bucket(buckets: Sequence[int], needed: int) -> int:
     """The smallest bucket >= needed. Raises ValueError naming the largest bucket."""
-    fitting = [b for b in buckets if b >= needed]
-    if not fitting:
+    bucket = fitting_bucket(buckets, needed)
+    if bucket is None:
         raise ValueError(f"{needed} exceeds the largest bucket ({max(buckets)})")
-    return min(fitting)
+    return bucket
 
 
 def validate_buckets(name: str, buckets: Sequence[int], maximum: int) -> tuple[int, ...]:

@@ -1,20 +1,23 @@
 """A small continuous-batching generate loop over a CompiledModel (tests, validate, the demo).
 
-Policy, deliberately the one vLLM-Neuron's scheduler enforces: a step is all-prefill or
-all-decode; pending prompt tokens go first; a request is admitted only when the KV blocks for its
-whole worst case (prompt + max_tokens) are free, so nothing is ever preempted.
+Steps follow `runtime/policy.py`, as serving does: a step is all-prefill (one prompt's next
+chunk) or all-decode (every running request); a waiting request is released only when the KV
+blocks of its whole worst case are free, and gets them at once, so nothing is ever preempted.
+All requests arrive together, in order.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
-from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
+from vllm_aot.runtime import policy
+from vllm_aot.runtime.kv_cache import BlockAllocator
 from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.policy import Limits, StepKind
+from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, SamplingParams, draw_seed
+from vllm_aot.runtime.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -35,28 +38,13 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" | "length"
 
 
-@dataclass
-class _Sequence:
-    request: GenerationRequest
-    result: GenerationResult
-    params: SamplingParams  # normalised
-    seed: int
-    max_len: int  # prompt + the tokens it may generate
-    tokens: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0
-
-    @property
-    def num_pending_prompt(self) -> int:
-        return len(self.request.prompt_token_ids) - self.num_cached
-
-
 class Generator:
     def __init__(self, model: CompiledModel, eos_token_ids: Sequence[int] = ()) -> None:
         self.model = model
         self.config = model.config
         self.eos_token_ids = tuple(eos_token_ids)
         self.allocator = BlockAllocator(model.kv.num_blocks)
+        self.limits = Limits.of(model.config, model.kv.num_blocks)
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ValueError, naming the limit, for a request that can never run."""
@@ -74,90 +62,71 @@ class Generator:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         for request in requests:
             self.validate(request)
-        sequences = [self._new_sequence(r) for r in requests]
-        waiting = deque(sequences)
-        running: list[_Sequence] = []
-        while waiting or running:
-            self._admit(waiting, running)
-            assert running, "admission must make progress: a request needs more blocks than exist"
-            if any(s.num_pending_prompt > 0 for s in running):
-                self._prefill_step(running)
-            else:
-                self._decode_step(running)
-            for seq in [s for s in running if s.result.finish_reason]:
-                running.remove(seq)
-                self.allocator.free(seq.block_table)
-        return [s.result for s in sequences]
+        scheduler = Scheduler(self.limits, self.allocator)
+        by_id: dict[str, tuple[GenerationRequest, GenerationResult]] = {}
+        for i, request in enumerate(requests):
+            state = self._new_state(str(i), request)
+            by_id[state.req_id] = (request, GenerationResult(list(request.prompt_token_ids)))
+            scheduler.add(state)
+        while scheduler.has_requests:
+            for state, out, row in self._run(scheduler.schedule()):
+                self._append(state, *by_id[state.req_id], out, row)
+            scheduler.finish(s for s in scheduler.running if by_id[s.req_id][1].finish_reason)
+        return [result for _, result in by_id.values()]
 
-    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        return _Sequence(
-            request=request,
-            result=GenerationResult(list(request.prompt_token_ids)),
-            params=request.sampling.normalized(),
-            seed=request.sampling.seed if request.sampling.seed is not None else draw_seed(),
-            max_len=min(
-                len(request.prompt_token_ids) + request.max_tokens, self.config.max_model_len
-            ),
-            tokens=list(request.prompt_token_ids),
+    def _new_state(self, req_id: str, request: GenerationRequest) -> RequestState:
+        seed = request.sampling.seed
+        return RequestState(
+            req_id=req_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            sampling=request.sampling.normalized(),
+            seed=seed if seed is not None else draw_seed(),
         )
 
-    def _admit(self, waiting: deque[_Sequence], running: list[_Sequence]) -> None:
-        while waiting and len(running) < self.config.max_num_seqs:
-            # The last sampled token is never written to the cache, hence max_len - 1.
-            needed = blocks_needed(waiting[0].max_len - 1, self.config.block_size)
-            if needed > self.allocator.num_free:
-                return
-            seq = waiting.popleft()
-            seq.block_table = self.allocator.allocate(needed)
-            running.append(seq)
+    def _run(
+        self, step: policy.Step[RequestState]
+    ) -> list[tuple[RequestState, SamplerOutput, int]]:
+        """Run the step; (state, output, row) for each request that sampled a token."""
+        if step.kind is StepKind.DECODE:
+            out = self.model.decode(
+                [s.decode_row() for s in step.requests],
+                [s.row_sampling(s.num_tokens) for s in step.requests],
+            )
+            for state in step.requests:
+                state.num_computed_tokens += 1
+            return [(state, out, row) for row, state in enumerate(step.requests)]
+        (state,) = step.requests
+        positions = policy.next_chunk(state, self.limits)
+        out = self.model.prefill(
+            [state.prefill_chunk(positions)], [state.row_sampling(positions.stop)]
+        )
+        state.num_computed_tokens = positions.stop
+        # A chunk that does not reach the end of the prompt samples nothing.
+        return [(state, out, 0)] if positions.stop == state.num_tokens else []
 
-    def _prefill_step(self, running: list[_Sequence]) -> None:
-        budget = self.config.max_num_batched_tokens
-        ctx_budget = max(self.config.prefill_context_buckets)
-        max_rows = max(self.config.head_row_buckets)
-        chosen: list[tuple[_Sequence, PrefillChunk]] = []
-        for seq in (s for s in running if s.num_pending_prompt > 0):
-            ctx = blocks_needed(seq.num_cached, self.config.block_size) * self.config.block_size
-            if budget == 0 or ctx > ctx_budget or len(chosen) == max_rows:
-                break
-            count = min(seq.num_pending_prompt, budget)
-            new = seq.request.prompt_token_ids[seq.num_cached : seq.num_cached + count]
-            chosen.append((seq, PrefillChunk(list(new), seq.num_cached, seq.block_table)))
-            budget -= count
-            ctx_budget -= ctx
-        sampling = [self._row_sampling(seq, c.num_cached + len(c.token_ids)) for seq, c in chosen]
-        out = self.model.prefill([c for _, c in chosen], sampling)
-        for row, (seq, chunk) in enumerate(chosen):
-            seq.num_cached += len(chunk.token_ids)
-            if seq.num_pending_prompt == 0:
-                self._append(seq, out, row)
-
-    def _decode_step(self, running: list[_Sequence]) -> None:
-        rows = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.block_table) for s in running]
-        sampling = [self._row_sampling(s, len(s.tokens)) for s in running]
-        out = self.model.decode(rows, sampling)
-        for row, seq in enumerate(running):
-            seq.num_cached += 1
-            self._append(seq, out, row)
-
-    @staticmethod
-    def _row_sampling(seq: _Sequence, position: int) -> RowSampling:
-        return RowSampling(seq.params, seq.seed, position)
-
-    def _append(self, seq: _Sequence, out: SamplerOutput, row: int) -> None:
+    def _append(
+        self,
+        state: RequestState,
+        request: GenerationRequest,
+        result: GenerationResult,
+        out: SamplerOutput,
+        row: int,
+    ) -> None:
         token = int(out.tokens[row])
-        result = seq.result
-        seq.tokens.append(token)
+        state.output_token_ids.append(token)
         result.token_ids.append(token)
         result.logprobs.append(float(out.token_logprobs[row]))
-        num_top = seq.request.sampling.num_logprobs
+        num_top = request.sampling.num_logprobs
         if num_top:
             ids = out.top_ids[row, :num_top].tolist()
             result.top_logprobs.append(
                 dict(zip(ids, out.top_logprobs[row, :num_top].tolist(), strict=True))
             )
-        is_eos = token in self.eos_token_ids and not seq.request.ignore_eos
-        if is_eos or token in seq.request.stop_token_ids:
+        is_eos = token in self.eos_token_ids and not request.ignore_eos
+        if is_eos or token in request.stop_token_ids:
             result.finish_reason = "stop"
-        elif len(seq.tokens) >= seq.max_len:
+        elif state.num_tokens >= min(
+            state.num_prompt_tokens + state.max_tokens, self.config.max_model_len
+        ):
             result.finish_reason = "length"

@@ -1,7 +1,9 @@
 """Step descriptions in, padded bucket tensors out (`prepare_*`).
 
-Padding is decided here, once: padded tokens get position 0, the dummy block's slot and a
-sequence id of their own; padded block-table entries point at the dummy block and are masked out.
+The layer program a step runs is chosen here, once (`prefill_key`, `decode_key`), and carried
+in the inputs as `key`; the tensors are padded to its shapes. Padding is decided here too:
+padded tokens get position 0, the dummy block's slot and a sequence id of their own; padded
+block-table entries point at the dummy block and are masked out.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_aot.runtime.buckets import pick_bucket
+from vllm_aot.runtime.buckets import fitting_bucket
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.kv_cache import DUMMY_BLOCK, blocks_needed
+from vllm_aot.runtime.programs import ProgramKey, ProgramKind
 from vllm_aot.runtime.sampler import SamplingParams, SamplingTensors, mask_words
 
 _PAD_SEQ = -1  # sequence id of padded query tokens (they see only each other)
@@ -50,6 +53,8 @@ class RowSampling:
 
 
 class PrefillInputs(NamedTuple):
+    key: ProgramKey  # prefill_t{tokens}_c{ctx_blocks * block_size}
+    num_rows: int  # the head's row bucket: chunks, padded
     token_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     slot_mapping: torch.Tensor  # [tokens]
@@ -59,6 +64,7 @@ class PrefillInputs(NamedTuple):
 
 
 class DecodeInputs(NamedTuple):
+    key: ProgramKey  # decode_b{rows}_c{ctx_blocks * block_size}
     token_ids: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
     slot_mapping: torch.Tensor  # [rows]
@@ -70,21 +76,46 @@ def _slots(block_table: Sequence[int], positions: range, block_size: int) -> lis
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def prefill_shape(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> tuple[int, int, int]:
-    """(token bucket, context-token bucket, row bucket); ValueError if none fits."""
-    num_tokens = sum(len(c.token_ids) for c in chunks)
-    num_ctx_tokens = config.block_size * sum(
-        blocks_needed(c.num_cached, config.block_size) for c in chunks
+def _num_context_tokens(chunks: Sequence[PrefillChunk], block_size: int) -> int:
+    """Cached tokens a prefill step reads: every chunk's cached blocks, whole."""
+    return block_size * sum(blocks_needed(c.num_cached, block_size) for c in chunks)
+
+
+def _prefill_buckets(
+    chunks: Sequence[PrefillChunk], config: RuntimeConfig
+) -> tuple[ProgramKey, int] | None:
+    """(the prefill program, the head's row bucket) for these chunks; None if any is too big."""
+    num_tokens = fitting_bucket(config.prefill_token_buckets, sum(len(c.token_ids) for c in chunks))
+    num_ctx_tokens = fitting_bucket(
+        config.prefill_context_buckets, _num_context_tokens(chunks, config.block_size)
     )
-    return (
-        pick_bucket(config.prefill_token_buckets, num_tokens),
-        pick_bucket(config.prefill_context_buckets, num_ctx_tokens),
-        pick_bucket(config.head_row_buckets, len(chunks)),
+    num_rows = fitting_bucket(config.head_row_buckets, len(chunks))
+    if num_tokens is None or num_ctx_tokens is None or num_rows is None:
+        return None
+    return ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens), num_rows
+
+
+def prefill_key(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> ProgramKey | None:
+    """The prefill program for these chunks packed in one step; None if no bucket fits them."""
+    buckets = _prefill_buckets(chunks, config)
+    return None if buckets is None else buckets[0]
+
+
+def _refuse_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> ValueError:
+    return ValueError(
+        f"{len(chunks)} chunks of {sum(len(c.token_ids) for c in chunks)} tokens reading "
+        f"{_num_context_tokens(chunks, config.block_size)} cached tokens fit no prefill program "
+        f"(largest: {max(config.head_row_buckets)} chunks, {max(config.prefill_token_buckets)} "
+        f"tokens, {max(config.prefill_context_buckets)} cached tokens)"
     )
 
 
 def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> PrefillInputs:
-    num_tokens, num_ctx_tokens, num_rows = prefill_shape(chunks, config)
+    """Padded inputs of `prefill_key`'s program; ValueError, naming the limits, if none fits."""
+    buckets = _prefill_buckets(chunks, config)
+    if buckets is None:
+        raise _refuse_prefill(chunks, config)
+    key, num_rows = buckets
     bs = config.block_size
     token_ids, positions, slots, q_seq = [], [], [], []
     ctx_blocks, key_seq, key_pos = [], [], []
@@ -103,46 +134,57 @@ def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Pr
             is_cached = p < chunk.num_cached
             key_seq.append(seq if is_cached else _PAD_KEY_SEQ)
             key_pos.append(p)
-    num_pad = num_tokens - len(token_ids)
+    num_pad = key.size - len(token_ids)
     token_ids += [0] * num_pad
     positions += [0] * num_pad
     slots += [DUMMY_BLOCK * bs] * num_pad
     q_seq += [_PAD_SEQ] * num_pad
-    num_ctx_pad = num_ctx_tokens // bs - len(ctx_blocks)
+    num_ctx_pad = key.context_tokens // bs - len(ctx_blocks)
     ctx_blocks += [DUMMY_BLOCK] * num_ctx_pad
     key_seq += [_PAD_KEY_SEQ] * (num_ctx_pad * bs)
     key_pos += [0] * (num_ctx_pad * bs)
     logits_indices += [0] * (num_rows - len(chunks))
-
-    q_seq_t = torch.tensor(q_seq)
     positions_t = torch.tensor(positions)
-    all_key_seq = torch.cat([torch.tensor(key_seq, dtype=torch.int64), q_seq_t])
-    all_key_pos = torch.cat([torch.tensor(key_pos, dtype=torch.int64), positions_t])
-    attn_mask = (all_key_seq[None, :] == q_seq_t[:, None]) & (
-        all_key_pos[None, :] <= positions_t[:, None]
-    )
     return PrefillInputs(
+        key=key,
+        num_rows=num_rows,
         token_ids=torch.tensor(token_ids),
         positions=positions_t,
         slot_mapping=torch.tensor(slots),
         context_block_ids=torch.tensor(ctx_blocks, dtype=torch.int64),
-        attn_mask=attn_mask,
+        attn_mask=_prefill_mask(torch.tensor(q_seq), positions_t, key_seq, key_pos),
         logits_indices=torch.tensor(logits_indices),
     )
 
 
-def decode_shape(rows: Sequence[DecodeRow], config: RuntimeConfig) -> tuple[int, int]:
-    """(row bucket, context-token bucket); ValueError if none fits."""
+def _prefill_mask(q_seq: torch.Tensor, positions: torch.Tensor, key_seq, key_pos) -> torch.Tensor:
+    """[tokens, cached keys + tokens] bool: a query sees its own sequence's keys up to itself."""
+    all_key_seq = torch.cat([torch.tensor(key_seq, dtype=torch.int64), q_seq])
+    all_key_pos = torch.cat([torch.tensor(key_pos, dtype=torch.int64), positions])
+    return (all_key_seq[None, :] == q_seq[:, None]) & (all_key_pos[None, :] <= positions[:, None])
+
+
+def decode_key(rows: Sequence[DecodeRow], config: RuntimeConfig) -> ProgramKey | None:
+    """The decode program for these rows; None if no bucket fits them."""
     longest = max(r.position for r in rows)
     num_ctx_tokens = config.block_size * blocks_needed(longest, config.block_size)
-    return (
-        pick_bucket(config.decode_batch_buckets, len(rows)),
-        pick_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1)),
-    )
+    num_rows = fitting_bucket(config.decode_batch_buckets, len(rows))
+    num_ctx_tokens = fitting_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1))
+    if num_rows is None or num_ctx_tokens is None:
+        return None
+    return ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
 
 
 def prepare_decode(rows: Sequence[DecodeRow], config: RuntimeConfig) -> DecodeInputs:
-    num_rows, num_ctx_tokens = decode_shape(rows, config)
+    """Padded inputs of `decode_key`'s program; ValueError, naming the limits, if none fits."""
+    key = decode_key(rows, config)
+    if key is None:
+        raise ValueError(
+            f"{len(rows)} decode rows at positions up to {max(r.position for r in rows)} fit no "
+            f"decode program (largest: {max(config.decode_batch_buckets)} rows, "
+            f"{max(config.decode_context_buckets)} cached tokens)"
+        )
+    num_rows, num_ctx_tokens = key.size, key.context_tokens
     bs = config.block_size
     num_ctx_blocks = num_ctx_tokens // bs
     tables = torch.full((num_rows, num_ctx_blocks), DUMMY_BLOCK, dtype=torch.int64)
@@ -158,7 +200,7 @@ def prepare_decode(rows: Sequence[DecodeRow], config: RuntimeConfig) -> DecodeIn
         positions[i] = row.position
         slots[i] = _slots(row.block_table, range(row.position, row.position + 1), bs)[0]
     context_mask = torch.arange(num_ctx_tokens)[None, :] < lengths[:, None]
-    return DecodeInputs(token_ids, positions, slots, tables, context_mask)
+    return DecodeInputs(key, token_ids, positions, slots, tables, context_mask)
 
 
 def prepare_sampling(

@@ -1,9 +1,10 @@
 """CompiledModel: weights, one program per bucket, and the KV cache; runs one step at a time.
 
-A step is all-prefill or all-decode, never mixed. The caller (our generate loop, later vLLM's
-scheduler through the plugin) decides what runs; this class pads it to a bucket, runs the layer
-program once per layer (writing each layer's new K/V through the slot mapping) and samples in the
-head program.
+A step is all-prefill or all-decode, never mixed. The caller (a driver of `runtime/policy.py`:
+the generate loop, teacher forcing, vLLM's scheduler through the plugin) decides what runs;
+`prepare_prefill`/`prepare_decode` choose its layer program and pad to it; this class runs that
+program (`inputs.key`) once per layer (writing each layer's new K/V through the slot mapping)
+and samples in the head program.
 
 A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
@@ -158,20 +159,18 @@ class CompiledModel:
         """Layers over the packed chunks: (hidden [token bucket, hidden], the padded inputs)."""
         with self.spans("prepare_inputs"):
             inputs = prepare_prefill(chunks, self.config)
-        num_tokens = inputs.token_ids.shape[0]
-        num_ctx_tokens = inputs.context_block_ids.shape[0] * self.config.block_size
-        key = ProgramKey(ProgramKind.PREFILL, num_tokens, num_ctx_tokens)
-        context = (inputs.context_block_ids, inputs.attn_mask)
+        key = inputs.key
         num_real = sum(len(c.token_ids) for c in chunks)
         self.step_stats.record(
             "prefill",
             num_rows=len(chunks),
-            row_bucket=inputs.logits_indices.shape[0],
+            row_bucket=inputs.num_rows,
             num_tokens=num_real,
-            token_bucket=num_tokens,
+            token_bucket=key.size,
             num_context_tokens=sum(c.num_cached for c in chunks),
-            context_bucket=num_ctx_tokens,
+            context_bucket=key.context_tokens,
         )
+        context = (inputs.context_block_ids, inputs.attn_mask)
         hidden = self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, num_real
         )
@@ -186,19 +185,17 @@ class CompiledModel:
         """Layers of a decode step; [row bucket, hidden]."""
         with self.spans("prepare_inputs"):
             inputs = prepare_decode(rows, self.config)
-        num_rows, num_ctx_blocks = inputs.block_tables.shape
-        num_ctx_tokens = num_ctx_blocks * self.config.block_size
-        key = ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
-        context = (inputs.block_tables, inputs.context_mask)
+        key = inputs.key
         self.step_stats.record(
             "decode",
             num_rows=len(rows),
-            row_bucket=num_rows,
+            row_bucket=key.size,
             num_tokens=len(rows),
-            token_bucket=num_rows,
+            token_bucket=key.size,
             num_context_tokens=sum(r.position for r in rows),
-            context_bucket=num_rows * num_ctx_tokens,
+            context_bucket=key.size * key.context_tokens,
         )
+        context = (inputs.block_tables, inputs.context_mask)
         return self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, len(rows)
         )
