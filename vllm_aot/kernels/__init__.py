@@ -132,4 +132,3 @@ def load() -> None:
         verbose=False,
     )
     logger.debug("vllm-aot kernels loaded from %s", directory)
-

@@ -40,7 +40,9 @@ class LayerSpec:
         return tuple(p for p in self.params if isinstance(p, Linear))
 
     def linear(self, name: str) -> Linear:
-        return next(p for p in self.linears() if p.name == name)
+        linear = next((p for p in self.linears() if p.name == name), None)
+        assert linear is not None, f"no linear {name!r} in this layer"
+        return linear
 
     def tensor_names(self) -> tuple[str, ...]:
         """`{param}.weight` per norm; per linear its format's stored tensors, then `.bias`."""

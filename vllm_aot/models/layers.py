@@ -2,10 +2,11 @@
 
 Family files (`models/llama.py`, ...) compose a layer from these: RMSNorm, rotary, head split,
 prefill and decode attention over the paged pool, SwiGLU; the linears are the family's
-`LayerParams.linear`. Pure functions over tensors: no module state, no data-dependent shapes, so the same code runs
-eagerly and exports into an ahead-of-time compiled program. Attention reads cached keys and values
-from the paged pool but never writes it: the layer returns this step's new K/V and the caller
-writes them through the slot mapping, so a compiled program has no side effects to get wrong.
+`LayerParams.linear`. Pure functions over tensors: no module state, no data-dependent shapes, so
+the same code runs eagerly and exports into an ahead-of-time compiled program. Attention reads
+cached keys and values from the paged pool but never writes it: the layer returns this step's new
+K/V and the caller writes them through the slot mapping, so a compiled program has no side
+effects to get wrong.
 """
 
 from __future__ import annotations
