@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from vllm_aot.models import layers  # through the module: a fault planted in one (tests) reaches all
 from vllm_aot.models.config import ModelArch, decoder_arch_from_hf
 from vllm_aot.models.family import Attend, Family, LayerParams, LayerSpec, Norm, Observe
-from vllm_aot.models.layers import QKV, apply_rotary, rms_norm, split_heads, swiglu
+from vllm_aot.models.layers import QKV
 from vllm_aot.models.linear import Linear, Shard
 
 
@@ -94,15 +95,15 @@ def layer_spec(arch: ModelArch, fmt: str, *, has_qkv_bias: bool = False) -> Laye
 def project_qkv(x: torch.Tensor, params: LayerParams, observe: Observe) -> QKV:
     """Input norm, then the fused q|k|v projection split into heads (before rotary)."""
     arch = params.arch
-    h = rms_norm(x, params.norm("input_layernorm"), arch.rms_norm_eps)
+    h = layers.rms_norm(x, params.norm("input_layernorm"), arch.rms_norm_eps)
     observe("input_layernorm", h)
     qkv = params.linear("qkv_proj", h)
-    return split_heads(qkv, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    return layers.split_heads(qkv, arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
 
 def mlp(h: torch.Tensor, params: LayerParams) -> torch.Tensor:
     """SwiGLU: down(silu(gate(h)) * up(h)), gate and up as one fused projection."""
-    return params.linear("down_proj", swiglu(params.linear("gate_up_proj", h)))
+    return params.linear("down_proj", layers.swiglu(params.linear("gate_up_proj", h)))
 
 
 def attend_and_mlp(
@@ -115,11 +116,11 @@ def attend_and_mlp(
     observe: Observe,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotary on q and k, attention, output projection and residual, then the MLP block."""
-    q, k = apply_rotary(qkv.q, *rope), apply_rotary(qkv.k, *rope)
+    q, k = layers.apply_rotary(qkv.q, *rope), layers.apply_rotary(qkv.k, *rope)
     attn = params.linear("o_proj", attend(q, k, qkv.v))
     observe("self_attn", attn)
     x = x + attn
-    h = rms_norm(x, params.norm("post_attention_layernorm"), params.arch.rms_norm_eps)
+    h = layers.rms_norm(x, params.norm("post_attention_layernorm"), params.arch.rms_norm_eps)
     observe("post_attention_layernorm", h)
     out = mlp(h, params)
     observe("mlp", out)

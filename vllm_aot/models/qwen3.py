@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from vllm_aot.models import llama, qwen2
+from vllm_aot.models import layers, llama, qwen2
 from vllm_aot.models.config import ModelArch, decoder_arch_from_hf
 from vllm_aot.models.family import Attend, Family, LayerParams, LayerSpec, Norm, Observe
-from vllm_aot.models.layers import QKV, rms_norm
+from vllm_aot.models.layers import QKV
 
 
 def parse_config(name: str, config: dict[str, Any]) -> ModelArch:
@@ -42,7 +42,11 @@ def decoder_layer(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = llama.project_qkv(x, params, observe)
     eps = params.arch.rms_norm_eps
-    qkv = QKV(rms_norm(q, params.norm("q_norm"), eps), rms_norm(k, params.norm("k_norm"), eps), v)
+    qkv = QKV(
+        layers.rms_norm(q, params.norm("q_norm"), eps),
+        layers.rms_norm(k, params.norm("k_norm"), eps),
+        v,
+    )
     return llama.attend_and_mlp(x, qkv, rope=rope, attend=attend, params=params, observe=observe)
 
 
