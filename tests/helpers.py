@@ -25,6 +25,7 @@ def tiny_arch(**overrides):
 
     fields = dict(
         architecture="LlamaForCausalLM",
+        family="llama",
         vocab_size=49152,
         hidden_size=64,
         num_layers=2,

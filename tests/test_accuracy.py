@@ -238,7 +238,7 @@ def test_a_corrupted_layer_fails_validation(
     model_dir = tiny_model_dirs("llama")
     model, _ = load_model(model_dir, tiny_config(), show_progress=False)
     # In place, so the flattened weight tuples the programs receive see it too.
-    model.weights.layers[0].wo.mul_(1.05)
+    model.weights.layers[0]["o_proj.weight"].mul_(1.05)
     report = validate(
         model_dir,
         model,
@@ -258,7 +258,7 @@ def test_a_corrupted_bf16_layer_fails_three_way(
 ):
     model_dir = tiny_model_dirs("llama")
     model, _ = load_model(model_dir, tiny_config(dtype="bfloat16"), show_progress=False)
-    model.weights.layers[0].wo.mul_(1.05)
+    model.weights.layers[0]["o_proj.weight"].mul_(1.05)
     report = validate(
         model_dir,
         model,

@@ -169,7 +169,8 @@ def test_flipped_rope_fails_validation_and_compare_names_the_first_keys(
 def test_replacing_a_broken_layer_output_removes_the_divergence_downstream(
     model, reference, sequence
 ):
-    model.weights.layers[0].wo.mul_(1.05)  # in place: the programs receive this very tensor
+    # In place: the programs receive this very tensor.
+    model.weights.layers[0]["o_proj.weight"].mul_(1.05)
     hf = capture_hf(reference, sequence, "float32")
     broken = compare_captures(capture_ours(model, sequence), hf)
     assert broken.first_divergence.name == "model.layers.0.self_attn"

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm_aot import kernels
+from vllm_aot.models.formats import ATEN, LINEAR_BF16, WEIGHT_FORMATS
 from vllm_aot.models.layers import decode_attention
+from vllm_aot.models.linear import CpuFeatures
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
 
@@ -36,7 +38,10 @@ def test_linear_keeps_leading_dimensions_and_adds_bias():
     x = torch.randn(2, 3, 64).bfloat16()
     w = torch.randn(16, 64).bfloat16()
     b = torch.randn(16).bfloat16()
-    got = kernels.linear_fn(kernels.LINEAR_BF16)(x, w, b)
+    avx2_only = CpuFeatures(can_use_kernels=True, has_native_bf16=False)
+    kernel = WEIGHT_FORMATS["bf16"].kernel(avx2_only)
+    assert kernel.name == LINEAR_BF16
+    got = kernel.apply(x, w, b)
     assert got.shape == (2, 3, 16)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
 
@@ -67,7 +72,7 @@ def test_decode_attention_matches_reference(dtype):
 
 def test_kernels_off_selects_aten_and_torch(monkeypatch):
     monkeypatch.setenv("VLLM_AOT_KERNELS", "0")
-    assert kernels.linear_impl(torch.bfloat16) == kernels.ATEN
+    assert kernels.linear_impl(torch.bfloat16) == ATEN
     assert kernels.attention_impl() == kernels.TORCH
     monkeypatch.delenv("VLLM_AOT_KERNELS")
-    assert kernels.linear_impl(torch.float32) == kernels.ATEN  # MKL is fast in float32
+    assert kernels.linear_impl(torch.float32) == ATEN  # MKL is fast in float32

@@ -1,12 +1,12 @@
 """Sub-layer capture for the eager backend: a layer program that also reports what is inside it.
 
 A compiled layer program is one opaque graph: only its inputs and outputs (hidden, new K/V) can
-be captured. With the eager backend the program is plain Python, so an instrumented copy can
-report the outputs HF names `input_layernorm`, `self_attn` (after the output projection),
-`post_attention_layernorm` and `mlp`. The layer's real outputs still come from the unchanged
-program maths (`programs.Layer.forward`); the sub-layer tensors are recomputed beside it from the
-same functions of `models/layers.py` (the MLP's three lines restated, since `finish_layer` fuses
-it with the residuals), so instrumenting can never change what it measures.
+be captured. With the eager backend the program is plain Python, and the family's layer maths
+hands each sub-layer output to the program's `observe` hook under HF's module name
+(`input_layernorm`, `self_attn` after the output projection, `post_attention_layernorm`, `mlp`).
+Compiled programs pass a hook that does nothing; this one records to the tap. The reported
+tensors are the very ones the layer computes with, so instrumenting can never change what it
+measures.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.layers import project_qkv, rms_norm
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.kv_cache import blocks_needed
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.programs import Layer, ProgramKind, unflatten_weights
+from vllm_aot.runtime.programs import Layer, ProgramKind
 
 
 class SublayerSink(Protocol):
@@ -31,7 +29,7 @@ class SublayerSink(Protocol):
 
 
 class InstrumentedLayer(Layer):
-    """`programs.Layer` plus sub-layer reports to `tap` (same signature and outputs)."""
+    """`programs.Layer` whose sub-layer outputs go to `tap` (same signature and outputs)."""
 
     def __init__(
         self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool, tap: SublayerSink
@@ -39,19 +37,8 @@ class InstrumentedLayer(Layer):
         super().__init__(arch, config, is_prefill=is_prefill)
         self.tap = tap
 
-    def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
-        out, k, v = super().forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights)
-        w = unflatten_weights(self.layout, weights)
-        eps = self.dims.rms_norm_eps
-        self.tap.sublayer("input_layernorm", rms_norm(hidden, w.input_norm, eps))
-        q, k_side, v_side = project_qkv(hidden, w, self.dims, cos, sin, self.linear)
-        attn = self.linear(self.attention(q, k_side, v_side, k_pool, v_pool, ctx_a, ctx_b), w.wo)
-        self.tap.sublayer("self_attn", attn)
-        h = rms_norm(hidden + attn, w.post_norm, eps)
-        self.tap.sublayer("post_attention_layernorm", h)
-        gate, up = self.linear(h, w.w13).chunk(2, dim=-1)
-        self.tap.sublayer("mlp", self.linear(F.silu(gate) * up, w.w2))
-        return out, k, v
+    def observe(self, name: str, tensor: torch.Tensor) -> None:
+        self.tap.sublayer(name, tensor)
 
 
 def instrumented_model(model: CompiledModel, tap: SublayerSink, num_tokens: int) -> CompiledModel:

@@ -10,13 +10,17 @@
   context, where the pure-torch version (`models.layers.decode_attention`, the reference) attends
   over the whole static context bucket and Inductor's code for it is mostly gathers.
 
-Which implementation a program calls is fixed when it is compiled (`linear_impl`,
-`attention_impl`, part of its cache key); compiled programs call the ops by name, so the library
-is loaded (`load()`) before any program runs. `VLLM_AOT_KERNELS=0` turns every kernel off (aten
-and pure torch only), for debugging and comparison.
+Which implementation a program calls is fixed when it is compiled (`program_kernels`, part of
+its cache key): the linear's from its weight format's choice for this CPU (`models/formats.py`
+registers the formats and their kernels; `cpu_features()` is what the choice reads), the decode
+attention's here. Compiled programs call the ops by name, so the library is loaded (`load()`)
+before any program runs. `VLLM_AOT_KERNELS=0` turns every kernel off (aten and pure torch only),
+for debugging and comparison.
 
-The library is built on first use with the machine's C++ compiler (the one Inductor uses) into
-`<cache root>/kernels/<digest of source and torch version>/` (~15 s, once per machine) and loaded
+Each `.cpp` file here defines its ops, their CPU implementation and their shape function (a Meta
+implementation, which export's fake tensors run); the library is every `.cpp` file of this
+folder, built on first use with the machine's C++ compiler (the one Inductor uses) into
+`<cache root>/kernels/<digest of sources and torch version>/` (~15 s, once per machine) and loaded
 from there afterwards; torch's extension builder locks the directory, so concurrent first uses
 build it once.
 """
@@ -31,20 +35,17 @@ import platform
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from vllm_aot.models.formats import ATEN, dense_format
+from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "linear_bf16.cpp", _HERE / "decode_attention.cpp"]
-_HEADERS = [_HERE / "avx2.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-# The ops' contracts, named in the cache key of every program that calls them.
-LINEAR_BF16 = "vllm_aot.linear_bf16/1"
+# The decode attention's contract, named in the cache key of every program that calls it.
 DECODE_ATTENTION = "vllm_aot.decode_attention/1"
-ATEN = "aten"
 TORCH = "torch"
 
 
@@ -55,18 +56,17 @@ def kernels_enabled() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_avx2_supported()
 
 
-def linear_impl(dtype: torch.dtype) -> str:
-    """The linear our programs use for `dtype` on this CPU.
-
-    The kernel for bfloat16 where the CPU has no native bfloat16 arithmetic; aten (oneDNN/MKL)
-    for float32 and on CPUs with AVX-512 BF16 or AMX.
-    """
+def cpu_features() -> CpuFeatures:
     cpu = torch.cpu
-    if dtype != torch.bfloat16 or not kernels_enabled():
-        return ATEN
-    if cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported():
-        return ATEN
-    return LINEAR_BF16
+    return CpuFeatures(
+        can_use_kernels=kernels_enabled(),
+        has_native_bf16=cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported(),
+    )
+
+
+def linear_impl(dtype: torch.dtype) -> str:
+    """The linear kernel programs of `dtype` call on this CPU: their weight format's choice."""
+    return dense_format(dtype).kernel(cpu_features()).name
 
 
 def attention_impl() -> str:
@@ -85,14 +85,6 @@ def load_used(dtype: torch.dtype) -> None:
         load()
 
 
-def linear_fn(impl: str):
-    """The function programs call for a linear layer: `fn(x, w, bias=None)`."""
-    if impl == ATEN:
-        return F.linear
-    load()
-    return _kernel_linear
-
-
 def decode_attention_fn(impl: str):
     """The function decode programs call for attention (`models.layers.decode_attention`'s
     signature)."""
@@ -104,13 +96,6 @@ def decode_attention_fn(impl: str):
     return _kernel_decode_attention
 
 
-def _kernel_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    y = torch.ops.vllm_aot.linear_bf16(x, w)
-    return y if bias is None else y + bias
-
-
 def _kernel_decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_mask):
     # The mask is a prefix of each row's context bucket: its length is the row's context.
     lengths = context_mask.sum(-1)
@@ -119,8 +104,13 @@ def _kernel_decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, cont
     )
 
 
+def _sources() -> list[Path]:
+    return sorted(_HERE.glob("*.cpp"))
+
+
 def build_dir() -> Path:
-    blob = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
+    files = _sources() + sorted(_HERE.glob("*.h"))
+    blob = b"".join(p.read_bytes() for p in files) + " ".join(_FLAGS).encode()
     blob += torch.__version__.encode()
     return cache_root() / "kernels" / hashlib.sha256(blob).hexdigest()[:16]
 
@@ -134,21 +124,11 @@ def load() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="vllm_aot_kernels",
-        sources=[str(p) for p in _SOURCES],
+        sources=[str(p) for p in _sources()],
         extra_cflags=_FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
     )
-    torch.library.register_fake("vllm_aot::linear_bf16")(_linear_shape)
-    torch.library.register_fake("vllm_aot::decode_attention")(_attention_shape)
     logger.debug("vllm-aot kernels loaded from %s", directory)
-
-
-def _linear_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-
-def _attention_shape(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens):
-    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))

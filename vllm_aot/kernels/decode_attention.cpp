@@ -147,3 +147,12 @@ TORCH_LIBRARY_FRAGMENT(vllm_aot, m) {
 }
 
 TORCH_LIBRARY_IMPL(vllm_aot, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+// The shape function export's fake tensors run: q [rows, heads, d] -> [rows, heads * d].
+TORCH_LIBRARY_IMPL(vllm_aot, Meta, m) {
+  m.impl("decode_attention",
+         [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+           return at::empty_symint({q.sym_size(0), q.sym_size(1) * q.sym_size(2)}, q.options());
+         });
+}

@@ -215,3 +215,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(vllm_aot, m) { m.def("linear_bf16(Tensor x, Tensor w) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(vllm_aot, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+
+// The shape function export's fake tensors run: x [..., K], w [N, K] -> [..., N].
+TORCH_LIBRARY_IMPL(vllm_aot, Meta, m) {
+  m.impl("linear_bf16", [](const at::Tensor& x, const at::Tensor& w) {
+    std::vector<c10::SymInt> sizes = x.sym_sizes().vec();
+    sizes.back() = w.sym_size(0);
+    return at::empty_symint(sizes, x.options());
+  });
+}

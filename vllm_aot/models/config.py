@@ -52,9 +52,10 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Architecture of a Llama-family decoder, as our implementation needs it."""
+    """Architecture of a decoder-only model, as our implementation needs it."""
 
-    architecture: str
+    architecture: str  # the HF name, e.g. "MistralForCausalLM"
+    family: str  # the registered family whose layer maths and parameters it uses, e.g. "llama"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -66,8 +67,6 @@ class ModelArch:
     rope: RopeSpec
     max_position_embeddings: int
     tie_word_embeddings: bool
-    has_qkv_bias: bool = False
-    has_qk_norm: bool = False
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -84,7 +83,8 @@ class ModelArch:
         return self.num_kv_heads * self.head_dim
 
     def digest_fields(self) -> dict[str, Any]:
-        """The fields that change a compiled program (for cache keys): everything but names."""
+        """The fields that change a compiled program (for cache keys): everything but the HF name
+        (the family stays: it decides the layer's maths and parameters)."""
         fields = dict(self.__dict__)
         fields.pop("architecture")
         fields["rope"] = dict(self.rope.__dict__)
@@ -115,4 +115,35 @@ def rope_from_hf(config: dict[str, Any], head_dim: int) -> RopeSpec:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def decoder_arch_from_hf(
+    name: str, config: dict[str, Any], *, family: str, sliding_window: int | None = None
+) -> ModelArch:
+    """The fields every Llama-like decoder reads alike; refuses activations other than SiLU and
+    MLP biases (families refuse their own extras before calling this)."""
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"{name} with hidden_act={activation!r} is not supported; supported: silu")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{name} with mlp_bias=true is not supported")
+    num_heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // num_heads)
+    return ModelArch(
+        architecture=name,
+        family=family,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        intermediate_size=int(config["intermediate_size"]),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=rope_from_hf(config, head_dim),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=int(sliding_window) if sliding_window else None,
     )

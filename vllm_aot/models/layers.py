@@ -1,42 +1,26 @@
-"""The maths of a Llama-family decoder layer, written for static shapes.
+"""The shared maths decoder layers are composed from, written for static shapes.
 
-Pure functions over tensors: no module state, no data-dependent shapes, so the same code runs
-eagerly and exports into an ahead-of-time compiled program. Attention reads cached keys and values
-from the paged pool but never writes it: the layer returns this step's new K/V and the caller
-writes them through the slot mapping, so a compiled program has no side effects to get wrong.
+Family files (`models/llama.py`, ...) compose a layer from these: RMSNorm, rotary, head split,
+prefill and decode attention over the paged pool, SwiGLU; the linears are the family's
+`LayerParams.linear`. Pure functions over tensors: no module state, no data-dependent shapes, so
+the same code runs eagerly and exports into an ahead-of-time compiled program. Attention reads
+cached keys and values from the paged pool but never writes it: the layer returns this step's new
+K/V and the caller writes them through the slot mapping, so a compiled program has no side
+effects to get wrong.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-# A linear layer: (x, weight, bias=None) -> x @ weight.T + bias. `F.linear`, or a kernel of ours.
-Linear = Callable[..., torch.Tensor]
 
-
-class LayerWeights(NamedTuple):
-    """One decoder layer's parameters, fused the way the layer uses them."""
-
-    input_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    bqkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
-    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    wo: torch.Tensor  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
-    w13: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
-    w2: torch.Tensor  # [hidden, intermediate]
-
-
-class LayerDims(NamedTuple):
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
+class QKV(NamedTuple):
+    q: torch.Tensor  # [tokens, heads, head_dim]
+    k: torch.Tensor  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor  # [tokens, kv_heads, head_dim]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,38 +127,18 @@ def prefill_attention(
     return out[0].permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
 
 
-def project_qkv(
-    x: torch.Tensor,
-    w: LayerWeights,
-    dims: LayerDims,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    linear: Linear = F.linear,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, fused QKV projection, optional q/k norm, rotary. Shapes [tokens, heads, head_dim]."""
-    h = rms_norm(x, w.input_norm, dims.rms_norm_eps)
-    qkv = linear(h, w.wqkv, w.bqkv)
-    q_size = dims.num_heads * dims.head_dim
-    kv_size = dims.num_kv_heads * dims.head_dim
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> QKV:
+    """A fused q|k|v projection [tokens, q_size + 2 * kv_size] -> per-head q, k, v."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.reshape(-1, dims.num_heads, dims.head_dim)
-    k = k.reshape(-1, dims.num_kv_heads, dims.head_dim)
-    v = v.reshape(-1, dims.num_kv_heads, dims.head_dim)
-    if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, dims.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, dims.rms_norm_eps)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    return QKV(
+        q.reshape(-1, num_heads, head_dim),
+        k.reshape(-1, num_kv_heads, head_dim),
+        v.reshape(-1, num_kv_heads, head_dim),
+    )
 
 
-def finish_layer(
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    w: LayerWeights,
-    dims: LayerDims,
-    linear: Linear = F.linear,
-) -> torch.Tensor:
-    """Output projection, residual, norm, SwiGLU MLP, residual."""
-    x = x + linear(attn, w.wo)
-    h = rms_norm(x, w.post_norm, dims.rms_norm_eps)
-    gate, up = linear(h, w.w13).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, w.w2)
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused gate|up projection [tokens, 2 * intermediate]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,11 +28,16 @@ def make_tiny_model(
     num_layers: int = 2,
     hidden_size: int = 64,
     max_position_embeddings: int = 4096,
+    spec: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write an HF directory with random weights (seeded) and the tokenizer of `tokenizer_dir`."""
+    """Write an HF directory with random weights (seeded) and the tokenizer of `tokenizer_dir`.
+
+    `spec` (the HF config class under `cls`, then its fields) defaults to `TINY_FAMILIES[family]`;
+    a family being brought up passes its own until it joins `TINY_FAMILIES`.
+    """
     import transformers
 
-    spec = dict(TINY_FAMILIES[family])
+    spec = dict(TINY_FAMILIES[family] if spec is None else spec)
     config_cls = getattr(transformers, spec.pop("cls"))
     tokenizer_dir = Path(tokenizer_dir)
     vocab_size = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size

@@ -10,7 +10,13 @@ import torch
 from safetensors import safe_open
 
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.layers import LayerWeights
+from vllm_aot.models.family import LayerSpec, Norm
+from vllm_aot.models.formats import dense_format, weight_format
+from vllm_aot.models.linear import SINGLE_RANK, Linear, Rank, Shard, shard_bias, shard_weight
+from vllm_aot.models.registry import family_of
+
+# One layer's tensors by `LayerSpec.tensor_names`, in that order (the layer programs' inputs).
+LayerWeights = dict[str, torch.Tensor]
 
 
 class ModelWeights(NamedTuple):
@@ -21,7 +27,7 @@ class ModelWeights(NamedTuple):
 
     def num_bytes(self) -> int:
         tensors = [self.embed, self.final_norm, self.lm_head]
-        tensors += [t for layer in self.layers for t in layer if t is not None]
+        tensors += [t for layer in self.layers for t in layer.values()]
         unique = {t.data_ptr(): t for t in tensors}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -46,41 +52,77 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model_dir: str | Path, arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
-    """Read, fuse (q|k|v and gate|up) and cast every parameter. Raises KeyError on a missing one."""
-    raw = _read_tensors(Path(model_dir))
+class _Checkpoint:
+    """The HF tensors of one directory, read once; a missing one is a KeyError naming it."""
 
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise KeyError(f"weight {name!r} missing from {model_dir}")
-        return raw[name].to(dtype).contiguous()
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.tensors = _read_tensors(model_dir)
 
-    layers = []
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                wqkv=torch.cat([take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
-                bqkv=(
-                    torch.cat([take(attn + f"{n}_proj.bias") for n in ("q", "k", "v")])
-                    if arch.has_qkv_bias
-                    else None
-                ),
-                q_norm=take(attn + "q_norm.weight") if arch.has_qk_norm else None,
-                k_norm=take(attn + "k_norm.weight") if arch.has_qk_norm else None,
-                wo=take(attn + "o_proj.weight"),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                w13=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                w2=take(p + "mlp.down_proj.weight"),
-            )
-        )
-    embed = take("model.embed_tokens.weight")
-    tied = arch.tie_word_embeddings or "lm_head.weight" not in raw
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"weight {name!r} missing from {self.model_dir}")
+        return self.tensors[name]
+
+    def fused(self, prefix: str, linear: Linear, suffix: str) -> torch.Tensor:
+        """The linear's sources' `suffix` tensors ("weight", "bias") concatenated on the output."""
+        parts = [self.take(f"{prefix}{source}.{suffix}") for source in linear.sources]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _load_layer(
+    checkpoint: _Checkpoint, spec: LayerSpec, prefix: str, dtype: torch.dtype, rank: Rank
+) -> LayerWeights:
+    tensors: list[torch.Tensor] = []
+    for param in spec.params:
+        if isinstance(param, Norm):
+            norm = checkpoint.take(f"{prefix}{param.source}.weight")
+            tensors.append(norm.to(dtype).contiguous())
+            continue
+        weight = shard_weight(param, checkpoint.fused(prefix, param, "weight"), rank)
+        tensors += weight_format(param.format).prepare(weight)
+        if param.has_bias:
+            bias = shard_bias(param, checkpoint.fused(prefix, param, "bias"), rank)
+            tensors.append(bias.to(dtype).contiguous())
+    return dict(zip(spec.tensor_names(), tensors, strict=True))
+
+
+def _load_vocab_rows(
+    checkpoint: _Checkpoint, arch: ModelArch, source: str, dtype: torch.dtype, rank: Rank
+) -> torch.Tensor:
+    """An embedding or LM head [vocab, hidden]: vocabulary-parallel, dense in `dtype`."""
+    rows = Linear(
+        name=source,
+        in_features=arch.hidden_size,
+        out_parts=(arch.vocab_size,),
+        sources=(source,),
+        format=dense_format(dtype).name,
+        shard=Shard.VOCAB,
+    )
+    weight = shard_weight(rows, checkpoint.fused("", rows, "weight"), rank)
+    return weight.to(dtype).contiguous()
+
+
+def load_weights(
+    model_dir: str | Path, arch: ModelArch, dtype: torch.dtype, *, rank: Rank = SINGLE_RANK
+) -> ModelWeights:
+    """Read every parameter through the family's layer spec: fused (q|k|v, gate|up), sliced for
+    `rank`, linears prepared in the dense weight format of `dtype`, the rest cast to `dtype`.
+    Raises KeyError on a missing tensor."""
+    family = family_of(arch)
+    checkpoint = _Checkpoint(Path(model_dir))
+    spec = family.layer_spec(arch, dense_format(dtype).name)
+    layers = [
+        _load_layer(checkpoint, spec, family.layer_prefix.format(index=i), dtype, rank)
+        for i in range(arch.num_layers)
+    ]
+    embed = _load_vocab_rows(checkpoint, arch, family.embedding, dtype, rank)
+    is_tied = arch.tie_word_embeddings or f"{family.lm_head}.weight" not in checkpoint.tensors
     return ModelWeights(
         embed=embed,
         layers=layers,
-        final_norm=take("model.norm.weight"),
-        lm_head=embed if tied else take("lm_head.weight"),
+        final_norm=checkpoint.take(f"{family.final_norm}.weight").to(dtype).contiguous(),
+        lm_head=embed
+        if is_tied
+        else _load_vocab_rows(checkpoint, arch, family.lm_head, dtype, rank),
     )

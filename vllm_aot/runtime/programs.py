@@ -17,16 +17,13 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from vllm_aot.kernels import attention_impl, decode_attention_fn, linear_fn, linear_impl
+from vllm_aot.kernels import attention_impl, cpu_features, decode_attention_fn, load_used
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.layers import (
-    LayerDims,
-    LayerWeights,
-    finish_layer,
-    prefill_attention,
-    project_qkv,
-    rms_norm,
-)
+from vllm_aot.models.family import LayerParams, LayerSpec
+from vllm_aot.models.formats import dense_format, weight_format
+from vllm_aot.models.layers import prefill_attention, rms_norm
+from vllm_aot.models.registry import family_of
+from vllm_aot.models.weights import LayerWeights
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.sampler import SamplingTensors, mask_words, sample_rows
 
@@ -71,45 +68,49 @@ def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
     return keys
 
 
-def layer_dims(arch: ModelArch) -> LayerDims:
-    return LayerDims(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps)
-
-
-def weight_layout(arch: ModelArch) -> tuple[bool, ...]:
-    """Which `LayerWeights` fields this architecture has (programs take only those)."""
-    present = {"bqkv": arch.has_qkv_bias, "q_norm": arch.has_qk_norm, "k_norm": arch.has_qk_norm}
-    return tuple(present.get(name, True) for name in LayerWeights._fields)
+def layer_spec(arch: ModelArch, config: RuntimeConfig) -> LayerSpec:
+    """The layer's parameters in the programs' weight format (the dense one of the dtype)."""
+    return family_of(arch).layer_spec(arch, dense_format(config.torch_dtype).name)
 
 
 def flatten_weights(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
-    return tuple(t for t in weights if t is not None)
-
-
-def unflatten_weights(layout: tuple[bool, ...], tensors: tuple[torch.Tensor, ...]):
-    it = iter(tensors)
-    return LayerWeights(*(next(it) if present else None for present in layout))
+    """A layer's tensors as layer programs take them: in `LayerSpec.tensor_names` order."""
+    return tuple(weights.values())
 
 
 class Layer(nn.Module):
-    """One decoder layer; prefill and decode differ only in how attention reads the cache.
+    """One decoder layer, the family's maths; prefill and decode differ only in how attention
+    reads the cache.
 
     forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights) -> (hidden, k_new, v_new)
     where (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and
-    (block_tables, context_mask) for decode.
+    (block_tables, context_mask) for decode, and `weights` follow `LayerSpec.tensor_names`.
     """
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool) -> None:
         super().__init__()
-        self.dims = layer_dims(arch)
-        self.layout = weight_layout(arch)
+        self.arch = arch
+        self.decoder_layer = family_of(arch).decoder_layer
+        self.spec = layer_spec(arch, config)
+        self.tensor_names = self.spec.tensor_names()
+        cpu = cpu_features()
+        formats = {linear.format for linear in self.spec.linears()}
+        self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
         self.attention = prefill_attention if is_prefill else decode_attention_fn(attention_impl())
-        self.linear = linear_fn(linear_impl(config.torch_dtype))
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
-        w = unflatten_weights(self.layout, weights)
-        q, k, v = project_qkv(hidden, w, self.dims, cos, sin, self.linear)
-        attn = self.attention(q, k, v, k_pool, v_pool, ctx_a, ctx_b)
-        return finish_layer(hidden, attn, w, self.dims, self.linear), k, v
+        tensors = dict(zip(self.tensor_names, weights, strict=True))
+        params = LayerParams(self.arch, self.spec, self.kernels, tensors)
+
+        def attend(q, k, v):
+            return self.attention(q, k, v, k_pool, v_pool, ctx_a, ctx_b)
+
+        return self.decoder_layer(
+            hidden, rope=(cos, sin), attend=attend, params=params, observe=self.observe
+        )
+
+    def observe(self, name: str, tensor: torch.Tensor) -> None:
+        """Sees each sub-layer output (`family.Observe`); the accuracy tools' subclass records."""
 
 
 class Head(nn.Module):
@@ -125,7 +126,7 @@ class Head(nn.Module):
         self.is_greedy = is_greedy
         self.num_logprobs = config.num_logprobs
         self.num_candidates = config.num_sampling_candidates
-        self.linear = linear_fn(linear_impl(config.torch_dtype))
+        self.linear = dense_format(config.torch_dtype).kernel(cpu_features()).apply
 
     def forward(self, hidden, final_norm, lm_head, *sampling) -> tuple[torch.Tensor, ...]:
         t = SamplingTensors(*sampling)
@@ -142,6 +143,7 @@ class Head(nn.Module):
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
+    load_used(config.torch_dtype)  # programs call our ops by name
     if key.is_layer:
         return Layer(arch, config, is_prefill=key.kind is ProgramKind.PREFILL)
     return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
@@ -155,7 +157,7 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
         n = key.size
         bs = config.block_size
         pool = (2, bs, arch.num_kv_heads, arch.head_dim)  # dim 0 is dynamic: the pool's size
-        weights = _example_layer_weights(arch, dt)
+        weights = layer_spec(arch, config).example_tensors(dt)
         ctx_blocks = key.context_tokens // bs
         if key.kind is ProgramKind.PREFILL:
             ctx = (
@@ -199,19 +201,3 @@ def dynamic_shapes(key: ProgramKey, inputs: tuple):
     # forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights)
     fixed = (None, None, None, {0: num_blocks}, {0: num_blocks}, None, None)
     return (*fixed, tuple(None for _ in inputs[len(fixed) :]))
-
-
-def _example_layer_weights(arch: ModelArch, dt: torch.dtype) -> LayerWeights:
-    qkv = arch.q_size + 2 * arch.kv_size
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    return LayerWeights(
-        input_norm=torch.ones(hidden, dtype=dt),
-        wqkv=torch.zeros(qkv, hidden, dtype=dt),
-        bqkv=torch.zeros(qkv, dtype=dt) if arch.has_qkv_bias else None,
-        q_norm=torch.ones(arch.head_dim, dtype=dt) if arch.has_qk_norm else None,
-        k_norm=torch.ones(arch.head_dim, dtype=dt) if arch.has_qk_norm else None,
-        wo=torch.zeros(hidden, arch.q_size, dtype=dt),
-        post_norm=torch.ones(hidden, dtype=dt),
-        w13=torch.zeros(2 * inter, hidden, dtype=dt),
-        w2=torch.zeros(hidden, inter, dtype=dt),
-    )

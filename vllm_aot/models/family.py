@@ -1,0 +1,123 @@
+"""What an architecture family file states, and the view of a layer's tensors its maths reads.
+
+A family (`models/llama.py`, `qwen2.py`, `qwen3.py`, registered in `models/registry.py`) gives:
+- `parse_config`: an HF `config.json` dictionary -> `ModelArch`, refusing what it cannot run;
+- `layer_spec`: one decoder layer's parameters (norms and `Linear`s: names, HF tensors, fusions,
+  shards) for an architecture and weight format; `models/weights.py` loads by it, and layer
+  programs take the tensors in its order (`LayerSpec.tensor_names`);
+- `decoder_layer`: the layer's maths composed from `models/layers.py`, over `LayerParams`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from vllm_aot.models.config import ModelArch
+from vllm_aot.models.formats import weight_format
+from vllm_aot.models.linear import Linear, LinearKernel
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A vector parameter of a layer (RMSNorm weight), replicated on every rank."""
+
+    name: str  # our parameter name, e.g. "q_norm"
+    source: str  # HF module name under the layer prefix, e.g. "self_attn.q_norm"
+    size: int
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A decoder layer's parameters, in the order layer programs take their tensors."""
+
+    params: tuple[Norm | Linear, ...]
+
+    def linears(self) -> tuple[Linear, ...]:
+        return tuple(p for p in self.params if isinstance(p, Linear))
+
+    def linear(self, name: str) -> Linear:
+        linear = next((p for p in self.linears() if p.name == name), None)
+        assert linear is not None, f"no linear {name!r} in this layer"
+        return linear
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """`{param}.weight` per norm; per linear its format's stored tensors, then `.bias`."""
+        names: list[str] = []
+        for p in self.params:
+            stored = weight_format(p.format).tensor_names if isinstance(p, Linear) else ("weight",)
+            bias = ("bias",) if isinstance(p, Linear) and p.has_bias else ()
+            names += [f"{p.name}.{t}" for t in stored + bias]
+        return tuple(names)
+
+    def example_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Tensors of the programs' shapes and dtypes (norms ones, the rest zeros), by name."""
+        tensors: list[torch.Tensor] = []
+        for p in self.params:
+            if isinstance(p, Norm):
+                tensors.append(torch.ones(p.size, dtype=dtype))
+                continue
+            tensors += weight_format(p.format).example(p.out_features, p.in_features)
+            if p.has_bias:
+                tensors.append(torch.zeros(p.out_features, dtype=dtype))
+        return dict(zip(self.tensor_names(), tensors, strict=True))
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """One layer's tensors inside a program, read by the family's maths by parameter name."""
+
+    arch: ModelArch
+    spec: LayerSpec
+    kernels: Mapping[str, LinearKernel]  # weight format name -> its kernel on this CPU
+    tensors: Mapping[str, torch.Tensor]  # `LayerSpec.tensor_names` -> tensor
+
+    def norm(self, name: str) -> torch.Tensor:
+        return self.tensors[f"{name}.weight"]
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Linear `name` applied to x [..., in] -> [..., out], through its format's kernel."""
+        linear = self.spec.linear(name)
+        stored = [self.tensors[f"{name}.{t}"] for t in weight_format(linear.format).tensor_names]
+        bias = self.tensors[f"{name}.bias"] if linear.has_bias else None
+        return self.kernels[linear.format].apply(x, *stored, bias)
+
+
+# (q [tokens, heads, head_dim], k_new, v_new [tokens, kv_heads, head_dim]) -> [tokens, heads *
+# head_dim]: attention of the step's tokens over the cache and themselves (prefill or decode).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Sees a sub-layer output under its HF module name ("input_layernorm", "self_attn",
+# "post_attention_layernorm", "mlp"); programs pass a no-op, the eager instrumented layer records.
+Observe = Callable[[str, torch.Tensor], None]
+
+
+class DecoderLayer(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [tokens, head_dim]
+        attend: Attend,
+        params: LayerParams,
+        observe: Observe,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (hidden [tokens, hidden], k_new, v_new [tokens, kv_heads, head_dim])."""
+        ...
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family (see the module docstring), with HF's decoder-only tensor names."""
+
+    name: str  # `ModelArch.family`
+    architectures: tuple[str, ...]  # the HF `architectures` names it serves
+    parse_config: Callable[[str, dict[str, Any]], ModelArch]  # (HF name, config) -> arch
+    layer_spec: Callable[[ModelArch, str], LayerSpec]  # (arch, weight format name) -> spec
+    decoder_layer: DecoderLayer
+    layer_prefix: str = "model.layers.{index}."
+    embedding: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"

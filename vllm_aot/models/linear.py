@@ -1,0 +1,162 @@
+"""A linear layer described by its maths, its weight format and its shard.
+
+`Linear` is `y = x @ W.T (+ b)` with `W` [out, in] built from HF tensors concatenated along the
+output (q|k|v, gate|up); `format` names a `WeightFormat` (`models/formats.py`: how the weight is
+stored and which kernel multiplies it) and `shard` says how the weight splits over
+tensor-parallel ranks. The slicing is pure functions of (rank, size); only one rank runs today,
+but weights are loaded through them.
+
+Shards, as in Megatron and vLLM:
+- replicated: every rank holds the whole weight;
+- column: the output features split; each fused part (q, k, v) splits on its own, so a rank holds
+  its heads of each; rank outputs are concatenated part by part;
+- row: the input features split; rank outputs are partial sums (all-reduced), the bias is added
+  once (rank 0 holds it, the others zeros);
+- vocab: embedding and LM-head rows split into equal vocabulary ranges, the last padded with zero
+  rows; rank outputs are concatenated and the padding dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+
+class Shard(StrEnum):
+    REPLICATED = "replicated"
+    COLUMN = "column"
+    ROW = "row"
+    VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One tensor-parallel rank: `index` of `size` ranks."""
+
+    index: int
+    size: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.index < self.size, f"rank {self.index} outside 0..{self.size - 1}"
+
+
+SINGLE_RANK = Rank(0, 1)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear of a model: its maths, the HF tensors it fuses, its weight format and shard."""
+
+    name: str  # our parameter name, e.g. "qkv_proj"
+    in_features: int
+    out_parts: tuple[int, ...]  # output features of each fused part in order, e.g. (q, kv, kv)
+    sources: tuple[str, ...]  # HF module names concatenated along the output, e.g. "mlp.up_proj"
+    format: str  # a `WeightFormat` name, e.g. "bf16"
+    shard: Shard = Shard.REPLICATED
+    has_bias: bool = False
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_parts)
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What a kernel choice may depend on (`kernels.cpu_features()` reads this machine's)."""
+
+    can_use_kernels: bool  # our C++ kernels build and are not switched off (x86-64, AVX2 + FMA)
+    has_native_bf16: bool  # AVX-512 BF16 or AMX: aten's bfloat16 matmul runs at full speed
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """The function programs call for a linear, and the name its program cache key carries."""
+
+    name: str  # e.g. "aten", "vllm_aot.linear_bf16/1"
+    apply: Callable[..., torch.Tensor]  # (x [..., in], *stored tensors, bias [out] | None)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a linear's weight is stored and multiplied; one registration per format.
+
+    `prepare` runs once at load on the (sharded, fused) float weight [out, in] and returns the
+    stored tensors, named by `tensor_names`; `example` gives tensors of the stored shapes and
+    dtypes for export; `kernel` picks the implementation for a CPU. Programs take the stored
+    tensors as inputs, then the bias (in the activation dtype) when the linear has one.
+    """
+
+    name: str
+    tensor_names: tuple[str, ...]
+    prepare: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    example: Callable[[int, int], tuple[torch.Tensor, ...]]  # (out, in) -> stored tensors
+    kernel: Callable[[CpuFeatures], LinearKernel]
+
+
+def _split_even(tensor: torch.Tensor, dim: int, rank: Rank, what: str) -> torch.Tensor:
+    size = tensor.shape[dim]
+    if size % rank.size:
+        raise ValueError(f"{what} ({size}) does not split evenly over {rank.size} ranks")
+    return tensor.narrow(dim, rank.index * (size // rank.size), size // rank.size)
+
+
+def _split_vocab(tensor: torch.Tensor, rank: Rank) -> torch.Tensor:
+    """Rows [index * per_rank, (index + 1) * per_rank), zero rows past the vocabulary."""
+    per_rank = -(-tensor.shape[0] // rank.size)
+    part = tensor[rank.index * per_rank : (rank.index + 1) * per_rank]
+    padding = part.new_zeros(per_rank - part.shape[0], *part.shape[1:])
+    return torch.cat([part, padding]) if padding.shape[0] else part
+
+
+def shard_weight(linear: Linear, weight: torch.Tensor, rank: Rank) -> torch.Tensor:
+    """`rank`'s slice of the fused weight [out, in] (its fused parts in `linear.out_parts`)."""
+    assert weight.shape == (linear.out_features, linear.in_features), (
+        f"{linear.name}: weight {tuple(weight.shape)}, expected "
+        f"{(linear.out_features, linear.in_features)}"
+    )
+    if linear.shard is Shard.COLUMN:
+        parts = weight.split(linear.out_parts)
+        what = f"{linear.name} output features"
+        return torch.cat([_split_even(p, 0, rank, what) for p in parts])
+    if linear.shard is Shard.ROW:
+        return _split_even(weight, 1, rank, f"{linear.name} input features")
+    if linear.shard is Shard.VOCAB:
+        return _split_vocab(weight, rank)
+    return weight
+
+
+def shard_bias(linear: Linear, bias: torch.Tensor, rank: Rank) -> torch.Tensor:
+    """`rank`'s part of the fused bias [out]: sliced as the weight's rows, or, for a row shard,
+    whole on rank 0 and zeros elsewhere (the rank outputs are summed)."""
+    if linear.shard is Shard.ROW:
+        return bias if rank.index == 0 else torch.zeros_like(bias)
+    if linear.shard is Shard.COLUMN:
+        parts = bias.split(linear.out_parts)
+        what = f"{linear.name} output features"
+        return torch.cat([_split_even(p, 0, rank, what) for p in parts])
+    if linear.shard is Shard.VOCAB:
+        return _split_vocab(bias, rank)
+    return bias
+
+
+def shard_input(linear: Linear, x: torch.Tensor, rank: Rank) -> torch.Tensor:
+    """The activations [..., in] `rank` multiplies: its slice of the features for a row shard."""
+    if linear.shard is Shard.ROW:
+        return _split_even(x, x.dim() - 1, rank, f"{linear.name} input features")
+    return x
+
+
+def gather_outputs(linear: Linear, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every rank's output [..., local out] (in rank order) -> the full output [..., out]."""
+    if linear.shard is Shard.ROW:
+        return torch.stack(list(outputs)).sum(0)
+    if linear.shard is Shard.REPLICATED:
+        return outputs[0]
+    if linear.shard is Shard.VOCAB:
+        return torch.cat(list(outputs), dim=-1)[..., : linear.out_features]
+    size = len(outputs)
+    pieces = [o.split([p // size for p in linear.out_parts], dim=-1) for o in outputs]
+    return torch.cat([piece[i] for i in range(len(linear.out_parts)) for piece in pieces], dim=-1)
