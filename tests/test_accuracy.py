@@ -314,18 +314,30 @@ def smollm_sequences(smollm_reference, smollm_prompts) -> list[list[int]]:
     return teacher_forcing_sequences(smollm_reference, smollm_prompts, num_tokens=32)
 
 
+def _validate_smollm(model_dir, model, reference, prompts, sequences, *, three_way: bool):
+    lengths = [len(p) for p in prompts]
+    return validate(
+        model_dir,
+        model,
+        sequences,
+        prompt_lengths=lengths,
+        three_way=three_way,
+        reference=reference,
+    )
+
+
 @pytest.mark.slow
 def test_smollm_fp32_logits_match_hf(
     default_model_dir, smollm_reference, smollm_prompts, smollm_sequences
 ):
     model, _ = load_model(default_model_dir, _smollm_config("float32"), show_progress=False)
-    report = validate(
+    report = _validate_smollm(
         default_model_dir,
         model,
+        smollm_reference,
+        smollm_prompts,
         smollm_sequences,
-        prompt_lengths=[len(p) for p in smollm_prompts],
         three_way=False,
-        reference=smollm_reference,
     )
     assert report.passed, _failure_message(report)
     assert report.greedy_agreement == 1.0, _failure_message(report)
@@ -344,13 +356,8 @@ def test_smollm_bf16_is_no_further_from_fp32_than_hf_bf16(
     default_model_dir, smollm_reference, smollm_prompts, smollm_sequences
 ):
     model, _ = load_model(default_model_dir, _smollm_config("bfloat16"), show_progress=False)
-    report = validate(
-        default_model_dir,
-        model,
-        smollm_sequences,
-        prompt_lengths=[len(p) for p in smollm_prompts],
-        three_way=True,
-        reference=smollm_reference,
+    report = _validate_smollm(
+        default_model_dir, model, smollm_reference, smollm_prompts, smollm_sequences, three_way=True
     )
     assert report.passed, _failure_message(report)
 
@@ -369,13 +376,13 @@ def test_smollm_fp32_inductor_logits_match_hf(
     cache = ProgramCache(CacheSettings(root=tmp_path / "cache"))
     model, load_report = load_model(default_model_dir, config, cache=cache, show_progress=False)
     assert load_report.compiled, "a fresh cache must compile its programs"
-    report = validate(
+    report = _validate_smollm(
         default_model_dir,
         model,
+        smollm_reference,
+        smollm_prompts,
         smollm_sequences,
-        prompt_lengths=[len(p) for p in smollm_prompts],
         three_way=False,
-        reference=smollm_reference,
     )
     assert report.passed, _failure_message(report)
     assert report.greedy_agreement == 1.0, _failure_message(report)
