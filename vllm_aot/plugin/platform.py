@@ -170,15 +170,19 @@ class AotPlatform(CpuPlatform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Front-end check (HTTP 400) for what the compiled runtime cannot serve: logprobs of the
-        prompt, or of chosen token ids (the head programs return the top-n)."""
+        """Front-end check for what the compiled runtime cannot serve: logprobs of the prompt,
+        or of chosen token ids (the head programs return the top-n). A VLLMValidationError is
+        HTTP 400; vLLM answers any other exception here with a bare 500."""
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
-        if isinstance(params, SamplingParams):
-            if params.prompt_logprobs is not None or params.prompt_logprob_token_ids is not None:
-                raise ValueError("vllm-aot does not return prompt_logprobs")
-            if params.logprob_token_ids is not None:
-                raise ValueError(
-                    "vllm-aot returns the top-n logprobs (logprobs=n), not logprob_token_ids"
+        if not isinstance(params, SamplingParams):
+            return super().validate_request(processed_inputs, params)
+        for name in ("prompt_logprobs", "prompt_logprob_token_ids", "logprob_token_ids"):
+            if getattr(params, name) is not None:
+                raise VLLMValidationError(
+                    f"vllm-aot does not return {name}; it returns the top-n logprobs of "
+                    "generated tokens (logprobs=n)",
+                    parameter=name,
                 )
         super().validate_request(processed_inputs, params)
