@@ -12,32 +12,21 @@ past the end of the prompt; everything else is a prefill row, and a step never m
 
 from __future__ import annotations
 
-import random
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
-from tests.policy_trace import (
-    BLOCK_SIZE,
-    CHUNK,
-    MAX_MODEL_LEN,
-    MAX_NUM_SEQS,
-    SCENARIOS,
-    TraceStep,
-    simulate,
-)
+from tests import engine_loop
+from tests.engine_loop import make_block_hasher, make_vllm_config
+from tests.policy_trace import BLOCK_SIZE, SCENARIOS, TraceStep, simulate
 from vllm_aot.plugin.scheduler import AotScheduler
 
 SAMPLED = 7  # the token our fake runner always samples (no EOS is set, so never a stop)
@@ -46,33 +35,7 @@ SAMPLED = 7  # the token our fake runner always samples (no EOS is set, so never
 @pytest.fixture(scope="module")
 def vllm_config(tiny_model_dirs) -> VllmConfig:
     """One config for the module (it goes through AotPlatform.check_and_update_config)."""
-    model_dir = str(tiny_model_dirs("llama"))
-    config = VllmConfig(
-        model_config=ModelConfig(
-            model=model_dir, tokenizer=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=CHUNK,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-    )
-    assert config.scheduler_config.max_num_seqs == MAX_NUM_SEQS
-    assert config.scheduler_config.max_num_batched_tokens == CHUNK
-    assert config.model_config.max_model_len == MAX_MODEL_LEN
-    assert config.cache_config.block_size == BLOCK_SIZE
-    return config
-
-
-@pytest.fixture(scope="module")
-def block_hasher(vllm_config):
-    """What EngineCore gives every request when prefix caching is on."""
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    return make_vllm_config(tiny_model_dirs("llama"))
 
 
 @pytest.fixture
@@ -81,24 +44,8 @@ def make_scheduler(vllm_config):
     made: list[AotScheduler] = []
 
     def make(num_blocks: int = 65) -> AotScheduler:
-        vllm_config.cache_config.num_gpu_blocks = num_blocks  # read once, by the constructor
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
-        )
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
-        )
-        scheduler = AotScheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=BLOCK_SIZE,
-            log_stats=False,
-        )
-        made.append(scheduler)
-        return scheduler
+        made.append(engine_loop.make_scheduler(vllm_config, num_blocks))
+        return made[-1]
 
     yield make
     for scheduler in made:
@@ -106,8 +53,9 @@ def make_scheduler(vllm_config):
 
 
 @pytest.fixture
-def make_request(block_hasher):
+def make_request(vllm_config):
     """Request with a random prompt (seeded by its id) or the given prompt token ids."""
+    block_hasher = make_block_hasher(vllm_config)
 
     def make(
         req_id: str,
@@ -115,17 +63,8 @@ def make_request(block_hasher):
         max_tokens: int = 4,
         structured: StructuredOutputsParams | None = None,
     ) -> Request:
-        if isinstance(prompt, int):
-            rng = random.Random(req_id)
-            prompt = [rng.randrange(100, 40000) for _ in range(prompt)]
         params = SamplingParams(max_tokens=max_tokens, structured_outputs=structured)
-        return Request(
-            request_id=req_id,
-            prompt_token_ids=list(prompt),
-            sampling_params=params,
-            pooling_params=None,
-            block_hasher=block_hasher,
-        )
+        return engine_loop.make_request(req_id, prompt, block_hasher, params)
 
     return make
 

@@ -49,8 +49,37 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append(f"quantization {model_config.quantization!r}")
     if model_config.is_multimodal_model:
         problems.append("multimodal models")
+    if model_config.enable_prompt_embeds:
+        problems.append("--enable-prompt-embeds (token prompts only)")
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    if vllm_config.cache_config.cache_dtype not in ("auto", dtype):
+        problems.append(
+            f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} "
+            f"(supported: auto, which is the model's dtype {dtype})"
+        )
+    if model_config.logprobs_mode != "raw_logprobs":
+        problems.append(f"--logprobs-mode {model_config.logprobs_mode} (supported: raw_logprobs)")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("--kv-transfer-config (no KV connectors)")
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        problems.append("context parallelism (supported: 1)")
+    if parallel.enable_expert_parallel:
+        problems.append("--enable-expert-parallel (dense models only)")
     if problems:
         raise ValueError("vllm-aot does not support " + "; ".join(problems))
+
+
+def _max_logprobs(requested: int, num_logprobs: int) -> int:
+    """vLLM's --max-logprobs within the top-n the head programs compute; -1 (vLLM's "no limit")
+    means all of them. vLLM refuses a request asking more with HTTP 400 naming this limit."""
+    if requested < 0 or requested > num_logprobs:
+        logger.info(
+            "vllm-aot: max_logprobs %d -> %d, the top-n logprobs the head programs compute",
+            requested,
+            num_logprobs,
+        )
+        return num_logprobs
+    return requested
 
 
 def _refuse_uncached(model: str, options) -> None:
@@ -118,7 +147,7 @@ class AotPlatform(CpuPlatform):
         scheduler_config.max_num_seqs = runtime.max_num_seqs
         scheduler_config.max_num_batched_tokens = runtime.max_num_batched_tokens
         cache_config.block_size = runtime.block_size
-        model_config.max_logprobs = min(model_config.max_logprobs, runtime.num_logprobs)
+        model_config.max_logprobs = _max_logprobs(model_config.max_logprobs, runtime.num_logprobs)
         vllm_config.parallel_config.worker_cls = WORKER_CLS
         scheduler_config.scheduler_cls = SCHEDULER_CLS
         # One engine process holds the worker: no extra process hop per step.
@@ -141,9 +170,19 @@ class AotPlatform(CpuPlatform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Front-end check (HTTP 400) for what the compiled runtime cannot serve."""
+        """Front-end check for what the compiled runtime cannot serve: logprobs of the prompt,
+        or of chosen token ids (the head programs return the top-n). A VLLMValidationError is
+        HTTP 400; vLLM answers any other exception here with a bare 500."""
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            raise ValueError("vllm-aot does not return prompt_logprobs")
+        if not isinstance(params, SamplingParams):
+            return super().validate_request(processed_inputs, params)
+        for name in ("prompt_logprobs", "prompt_logprob_token_ids", "logprob_token_ids"):
+            if getattr(params, name) is not None:
+                raise VLLMValidationError(
+                    f"vllm-aot does not return {name}; it returns the top-n logprobs of "
+                    "generated tokens (logprobs=n)",
+                    parameter=name,
+                )
         super().validate_request(processed_inputs, params)

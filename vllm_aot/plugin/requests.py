@@ -1,7 +1,9 @@
 """What the runner remembers per request, because the scheduler does not resend it.
 
 `CachedRequest` is the runtime's `RequestState` (prompt, generated tokens, computed tokens,
-block table, sampling and seed) with vLLM's sampling parameters beside it.
+block table, sampling and seed) with vLLM's sampling parameters beside it. A request is checked
+once, when it arrives (`refuse_unservable`): what the front end lets through that the compiled
+model cannot serve fails that request alone (`faults.RequestError`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
+from vllm.v1.core.sched.output import NewRequestData
 
+from vllm_aot.plugin.faults import RequestError
 from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import SamplingParams, draw_seed
 
@@ -25,6 +29,31 @@ def to_runtime_params(params: VllmSamplingParams, vocab_size: int) -> SamplingPa
         seed=params.seed,
         num_logprobs=params.logprobs,
     ).normalized()
+
+
+def refuse_unservable(new: NewRequestData, *, vocab_size: int, num_logprobs: int) -> None:
+    """RequestError for a request the front end accepted that the compiled model cannot serve.
+
+    vLLM's front end checks most of this; it cannot when the tokenizer is skipped
+    (`--skip-tokenizer-init`: token ids unchecked) or knows a larger vocabulary than the
+    model's, and a platform that allowed more logprobs than the head computes would let them
+    through.
+    """
+    prompt_token_ids, params = new.prompt_token_ids, new.sampling_params
+    if prompt_token_ids is None or new.prompt_embeds is not None:
+        raise RequestError("vllm-aot serves token prompts only, not prompt embeddings")
+    if params is None:
+        raise RequestError("vllm-aot serves generation requests only")
+    outside = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError(
+            f"prompt token ids {outside[:5]} are outside the model's vocabulary "
+            f"(0..{vocab_size - 1})"
+        )
+    if params.logprobs is not None and not 0 <= params.logprobs <= num_logprobs:
+        raise RequestError(
+            f"logprobs={params.logprobs}: the head programs return at most {num_logprobs}"
+        )
 
 
 def needs_logits_processing(params: VllmSamplingParams) -> bool:
@@ -48,7 +77,10 @@ class CachedRequest(RequestState):
     params: VllmSamplingParams  # the request's own; never mutated
 
     @classmethod
-    def new(cls, *, req_id, prompt_token_ids, params, block_ids, num_computed_tokens, vocab_size):
+    def new(
+        cls, *, req_id, prompt_token_ids, params, block_ids, num_computed_tokens, vocab_size
+    ) -> CachedRequest:
+        """The runner's state for a new request (the runner checks it with `refuse_unservable`)."""
         return cls(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -7,25 +7,34 @@ structured-output requests. A step is one prompt's chunk or every running reques
 (the policy's steps, `runtime/policy.py`, AotScheduler's guarantee).
 While a profiler records, the host-side phases are named ranges (`update_states`,
 `logits_processing`, `runner_output`) around the model's own (see CompiledModel).
+
+A failure that concerns one request (`faults.is_per_request`: a new request the model cannot
+serve, a step of one request, one row's host-side processing) drops that request and reports it
+in the step's output (`AotRunnerOutput.failed_requests`) for the scheduler to finish with an
+error; the other requests of the step keep their tokens. Other failures propagate (fatal).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 
+from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
 from vllm_aot.plugin.logits import resample
-from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing
+from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing, refuse_unservable
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import is_prefilling
 from vllm_aot.runtime.sampler import SamplerOutput
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Sampled(NamedTuple):
 
     out: SamplerOutput
     row: int
+    num_logprobs: int | None  # top-n the request asked for (None: no logprobs)
 
     @property
     def token(self) -> int:
@@ -64,28 +74,48 @@ class LayerOutput:
     hidden: torch.Tensor  # [row bucket, hidden]
 
 
+@dataclass
+class PendingStep:
+    """A step between `execute_model` and `sample_tokens`."""
+
+    req_ids: list[str]  # every request scheduled, in the scheduler's order
+    layers: list[LayerOutput]
+    failed: dict[str, str]  # req_id -> reason, of the requests failed so far
+
+
 class AotModelRunner:
     def __init__(self, model: CompiledModel) -> None:
         self.model = model
         self.requests: dict[str, CachedRequest] = {}
-        self._pending: tuple[list[ScheduledRow], list[LayerOutput]] | None = None
+        self._pending: PendingStep | None = None
+
+    def _fail(self, exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
+        """`exc` ends the requests `req_ids` (forgotten, recorded in `failed`), or, when it is
+        fatal (`faults.is_per_request`), propagates."""
+        if not is_per_request(exc, len(req_ids)):
+            raise exc
+        reason = describe(exc)
+        traceback = None if isinstance(exc, RequestError) else exc  # bad input needs none
+        logger.warning(
+            "vllm-aot: request %s failed: %s", ", ".join(req_ids), reason, exc_info=traceback
+        )
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+            failed[req_id] = reason
 
     # -- state ------------------------------------------------------------------------------
 
-    def update_states(self, out: SchedulerOutput) -> None:
+    def update_states(self, out: SchedulerOutput) -> dict[str, str]:
+        """Forget finished requests, record new ones and updates; new requests that cannot be
+        served are left out and returned (req_id -> reason)."""
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
-        vocab_size = self.model.arch.vocab_size
+        failed: dict[str, str] = {}
         for new in out.scheduled_new_reqs:
-            assert new.prompt_token_ids is not None, "vllm-aot serves token prompts only"
-            self.requests[new.req_id] = CachedRequest.new(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                params=new.sampling_params,
-                block_ids=new.block_ids[0],
-                num_computed_tokens=new.num_computed_tokens,
-                vocab_size=vocab_size,
-            )
+            try:
+                self.requests[new.req_id] = self._admit(new)
+            except Exception as exc:
+                self._fail(exc, [new.req_id], failed)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self.requests[req_id]
@@ -100,19 +130,50 @@ class AotModelRunner:
             req.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.num_output_tokens:
                 del req.output_token_ids[cached.num_output_tokens[i] :]
+        return failed
+
+    def _admit(self, new: NewRequestData) -> CachedRequest:
+        """A new request's state; RequestError when the compiled model cannot serve it."""
+        vocab_size = self.model.arch.vocab_size
+        refuse_unservable(new, vocab_size=vocab_size, num_logprobs=self.model.config.num_logprobs)
+        return CachedRequest.new(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            params=new.sampling_params,
+            block_ids=new.block_ids[0],
+            num_computed_tokens=new.num_computed_tokens,
+            vocab_size=vocab_size,
+        )
 
     # -- execution --------------------------------------------------------------------------
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the layers of this step; the head runs in `sample_tokens`."""
+        """Run the layers of this step; the head runs in `sample_tokens`.
+
+        Returns the step's output at once when no request is left to sample (every one failed).
+        """
         with self.model.spans("update_states"):
-            self.update_states(out)
+            failed = self.update_states(out)
         if out.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        req_ids = list(out.num_scheduled_tokens)
         rows = [
             ScheduledRow(self.requests[rid], self.requests[rid].num_computed_tokens, n)
             for rid, n in out.num_scheduled_tokens.items()
+            if rid not in failed
         ]
+        try:
+            layers = [self._run_layers(rows)] if rows else []
+        except Exception as exc:
+            self._fail(exc, [r.request.req_id for r in rows], failed)
+            layers = []
+        if not layers:
+            return self._runner_output(req_ids, {}, failed)
+        self._pending = PendingStep(req_ids, layers, failed)
+        return None
+
+    def _run_layers(self, rows: Sequence[ScheduledRow]) -> LayerOutput:
+        """The step's layer programs: the one prefill chunk, or every row's decode."""
         num_decode = sum(r.is_decode for r in rows)
         assert num_decode in (0, len(rows)), (
             f"mixed step: {num_decode} decode and {len(rows) - num_decode} prefill rows; "
@@ -125,8 +186,7 @@ class AotModelRunner:
             hidden = self.model.forward_decode(decode_rows)
         else:
             hidden = self.model.forward_prefill([self._prefill_chunk(rows)])
-        self._pending = (rows, [LayerOutput(tuple(rows), hidden)])
-        return None
+        return LayerOutput(tuple(rows), hidden)
 
     def _prefill_chunk(self, rows: Sequence[ScheduledRow]) -> PrefillChunk:
         """A prefill step's one chunk: AotScheduler schedules one that fits a prefill program."""
@@ -146,19 +206,22 @@ class AotModelRunner:
         """Head programs (with structured-output masks), host-side processing, runner output."""
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        rows, layers = self._pending
-        self._pending = None
+        step, self._pending = self._pending, None
         masks = _grammar_masks(grammar_output)
         sampled: dict[str, Sampled] = {}
-        for layer in layers:
-            sampled.update(self._sample_layer(layer, masks))
+        for layer in step.layers:
+            try:
+                sampled.update(self._sample_layer(layer, masks, step.failed))
+            except Exception as exc:
+                self._fail(exc, [r.request.req_id for r in layer.rows], step.failed)
         with self.model.spans("runner_output"):
-            return self._runner_output(rows, sampled)
+            return self._runner_output(step.req_ids, sampled, step.failed)
 
     def _sample_layer(
-        self, layer: LayerOutput, masks: dict[str, torch.Tensor]
+        self, layer: LayerOutput, masks: dict[str, torch.Tensor], failed: dict[str, str]
     ) -> dict[str, Sampled]:
-        """The head over one program run; rows needing logits processing re-sampled on the host."""
+        """The head over one program run; rows needing logits processing re-sampled on the host
+        (a failure there ends that row's request alone)."""
         sampling = [
             RowSampling(
                 r.request.sampling,
@@ -173,31 +236,38 @@ class AotModelRunner:
         for i, row in enumerate(layer.rows):
             if not row.is_complete:
                 continue
-            if needs_logits_processing(row.request.params):
+            request = row.request
+            if not needs_logits_processing(request.params):
+                sampled[request.req_id] = Sampled(out, i, request.params.logprobs)
+                continue
+            try:
                 with self.model.spans("logits_processing"):
-                    resampled = resample(out.logits[i], row.request, sampling[i], self.model.config)
-                sampled[row.request.req_id] = Sampled(resampled, 0)
-            else:
-                sampled[row.request.req_id] = Sampled(out, i)
+                    resampled = resample(out.logits[i], request, sampling[i], self.model.config)
+            except Exception as exc:
+                self._fail(exc, [request.req_id], failed)
+                continue
+            sampled[request.req_id] = Sampled(resampled, 0, request.params.logprobs)
         return sampled
 
     def _runner_output(
-        self, rows: Sequence[ScheduledRow], sampled: dict[str, Sampled]
-    ) -> ModelRunnerOutput:
-        req_ids = [r.request.req_id for r in rows]
+        self, req_ids: Sequence[str], sampled: dict[str, Sampled], failed: dict[str, str]
+    ) -> AotRunnerOutput:
+        """Tokens for the sampled requests (none for a chunk that does not end its prompt, or a
+        request that failed), their logprobs, and the failures."""
         tokens = []
-        for row in rows:
-            if row.request.req_id in sampled:
-                token = sampled[row.request.req_id].token
-                row.request.output_token_ids.append(token)
-                tokens.append([token])
-            else:
-                tokens.append([])  # a prefill chunk that does not end the prompt
-        return ModelRunnerOutput(
-            req_ids=req_ids,
+        for req_id in req_ids:
+            entry = sampled.get(req_id)
+            if entry is None:
+                tokens.append([])
+                continue
+            self.requests[req_id].output_token_ids.append(entry.token)
+            tokens.append([entry.token])
+        return AotRunnerOutput(
+            req_ids=list(req_ids),
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=tokens,
-            logprobs=_logprobs(rows, sampled),
+            logprobs=_logprobs([sampled.get(rid) for rid in req_ids]),
+            failed_requests=failed,
         )
 
 
@@ -211,20 +281,20 @@ def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
     }
 
 
-def _logprobs(rows: Sequence[ScheduledRow], sampled: dict[str, Sampled]) -> LogprobsLists | None:
-    """vLLM's layout from the head's outputs: column 0 the sampled token, then the top-k."""
-    wanted = [r.request.params.logprobs for r in rows if r.request.params.logprobs is not None]
+def _logprobs(entries: Sequence[Sampled | None]) -> LogprobsLists | None:
+    """vLLM's layout from the head's outputs, a row per request: column 0 the sampled token,
+    then the top-k (rows without a sampled token or without logprobs stay zero)."""
+    wanted = [e.num_logprobs for e in entries if e is not None and e.num_logprobs is not None]
     if not wanted:
         return None
     k = max(wanted)
-    ids = np.zeros((len(rows), k + 1), dtype=np.int32)
-    values = np.zeros((len(rows), k + 1), dtype=np.float32)
-    ranks = np.zeros(len(rows), dtype=np.int64)
-    for i, row in enumerate(rows):
-        entry = sampled.get(row.request.req_id)
-        if entry is None or row.request.params.logprobs is None:
+    ids = np.zeros((len(entries), k + 1), dtype=np.int32)
+    values = np.zeros((len(entries), k + 1), dtype=np.float32)
+    ranks = np.zeros(len(entries), dtype=np.int64)
+    for i, entry in enumerate(entries):
+        if entry is None or entry.num_logprobs is None:
             continue
-        out, j = entry
+        out, j = entry.out, entry.row
         ids[i, 0], values[i, 0] = entry.token, float(out.token_logprobs[j])
         ids[i, 1:] = out.top_ids[j, :k].numpy()
         values[i, 1:] = out.top_logprobs[j, :k].numpy()

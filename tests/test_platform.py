@@ -1,0 +1,87 @@
+"""AotPlatform's start-up refusals and limits, through vLLM's own engine arguments (the path
+`vllm serve` flags take), and its front-end request checks; no engine is started."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
+
+from vllm_aot.plugin.platform import AotPlatform, _refuse_unsupported
+
+
+def engine_config(model_dir, **flags):
+    """The VllmConfig `vllm serve --model model_dir` builds with these flags (tiny shapes)."""
+    shapes = dict(max_model_len=256, max_num_batched_tokens=64, block_size=16, dtype="float32")
+    args = EngineArgs(
+        model=str(model_dir), additional_config={"backend": "eager"}, **(shapes | flags)
+    )
+    return args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 (supported: auto"),
+        ({"enable_prompt_embeds": True}, "--enable-prompt-embeds (token prompts only)"),
+        (
+            {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+            "--kv-transfer-config (no KV connectors)",
+        ),
+        # vLLM itself wants tensor parallelism divisible by it and above the KV heads (2)
+        (
+            {"decode_context_parallel_size": 2, "tensor_parallel_size": 4},
+            "context parallelism (supported: 1)",
+        ),
+        ({"logprobs_mode": "processed_logprobs"}, "(supported: raw_logprobs)"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_what_we_cannot_run_is_refused_at_start_up(tiny_model_dir, flags, refusal):
+    with pytest.raises(ValueError, match="vllm-aot does not support") as excinfo:
+        engine_config(tiny_model_dir, **flags)
+    assert refusal in str(excinfo.value)
+
+
+def test_expert_parallelism_is_refused(tiny_model_dir):
+    """vLLM refuses it for a dense model before our hook; a MoE model would pass vLLM's check."""
+    config = engine_config(tiny_model_dir)
+    config.parallel_config.enable_expert_parallel = True
+    with pytest.raises(ValueError, match=r"--enable-expert-parallel \(dense models only\)"):
+        _refuse_unsupported(config)
+
+
+def test_the_model_dtype_as_kv_cache_dtype_is_accepted(tiny_model_dir):
+    config = engine_config(tiny_model_dir, dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert config.cache_config.cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16"):
+        engine_config(tiny_model_dir, dtype="float32", kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("max_logprobs", [-1, 50, 20])
+def test_max_logprobs_is_what_the_head_computes(tiny_model_dir, max_logprobs):
+    """-1 is vLLM's "no limit": all 20 the head programs compute. A request asking more gets
+    vLLM's validation error (HTTP 400) naming the limit."""
+    model_config = engine_config(tiny_model_dir, max_logprobs=max_logprobs).model_config
+    assert model_config.max_logprobs == 20
+    SamplingParams(logprobs=20).verify(model_config, None, None, None)
+    for too_many in (21, 50, -1):
+        with pytest.raises(VLLMValidationError, match="greater than max allowed: 20"):
+            SamplingParams(logprobs=too_many).verify(model_config, None, None, None)
+
+
+def test_a_lower_max_logprobs_stays(tiny_model_dir):
+    assert engine_config(tiny_model_dir, max_logprobs=5).model_config.max_logprobs == 5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"prompt_logprobs": 1}, {"prompt_logprob_token_ids": [[1, 2]]}, {"logprob_token_ids": [1, 2]}],
+    ids=lambda params: next(iter(params)),
+)
+def test_logprobs_the_head_does_not_compute_are_refused_in_the_front_end(params):
+    """A VLLMValidationError, which vLLM answers with HTTP 400 (any other exception: 500)."""
+    (name,) = params
+    with pytest.raises(VLLMValidationError, match=f"vllm-aot does not return {name}"):
+        AotPlatform.validate_request({"type": "token"}, SamplingParams(**params))

@@ -1,0 +1,207 @@
+"""A request that fails ends alone: vLLM's engine loop in-process (tests/engine_loop.py) with
+AotScheduler and our runner over the tiny model (eager), no worker process.
+
+Each poison request finishes with vLLM's FinishReason.ERROR (HTTP 500 for that request) while
+the requests around it get all their tokens and every KV block comes back; failures shared by
+several requests, and broken invariants, still stop the engine (`plugin/faults.py`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import Request
+
+from tests.engine_loop import (
+    engine_step,
+    make_block_hasher,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+)
+from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
+from vllm_aot.plugin import runner as runner_module
+from vllm_aot.plugin.faults import RequestError, is_per_request
+from vllm_aot.plugin.runner import AotModelRunner
+from vllm_aot.plugin.scheduler import AotScheduler
+
+NUM_BLOCKS = 65
+MAX_TOKENS = 5
+VOCAB_SIZE = 49152  # the tiny model's
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dirs):
+    return make_vllm_config(tiny_model_dirs("llama"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dirs):
+    config = tiny_config(num_kv_blocks=NUM_BLOCKS)
+    return load_model(tiny_model_dirs("llama"), config, show_progress=False)[0]
+
+
+@dataclass
+class Engine:
+    scheduler: AotScheduler
+    runner: AotModelRunner
+    block_hasher: object
+    tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    finished: dict[str, FinishReason] = field(default_factory=dict)
+
+    def add(self, req_id: str, prompt: int | list[int], **params) -> Request:
+        params = SamplingParams(**({"max_tokens": MAX_TOKENS, "temperature": 0} | params))
+        request = make_request(req_id, prompt, self.block_hasher, params)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, num_steps: int = 1) -> None:
+        for _ in range(num_steps):
+            for out in engine_step(self.scheduler, self.runner):
+                self.tokens[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    self.finished[out.request_id] = out.finish_reason
+
+    def run(self, max_steps: int = 100) -> None:
+        """Steps until every request has finished."""
+        for _ in range(max_steps):
+            if not self.scheduler.get_num_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests never finished")
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+@pytest.fixture
+def engine(vllm_config, model):
+    scheduler = make_scheduler(vllm_config, NUM_BLOCKS)
+    yield Engine(scheduler, AotModelRunner(model), make_block_hasher(vllm_config))
+    scheduler.shutdown()
+
+
+def assert_served_around(engine: Engine, poison: str, others: list[str], free_before: int):
+    """The poison request failed with nothing sampled; the others got every token."""
+    assert engine.finished[poison] is FinishReason.ERROR
+    assert engine.tokens[poison] == []
+    for req_id in others:
+        assert engine.finished[req_id] is FinishReason.LENGTH, req_id
+        assert len(engine.tokens[req_id]) == MAX_TOKENS, req_id
+    assert engine.num_free_blocks == free_before, "blocks leaked"
+    engine.step()  # the finished ids reach the runner with the next step, as in EngineCore
+    assert not engine.runner.requests
+
+
+POISONS = {
+    # the front end checks token ids against its tokenizer, skipped by --skip-tokenizer-init
+    "token_outside_the_vocabulary": ([5, VOCAB_SIZE + 10, 7], {}),
+    # what --max-logprobs -1 let through before the platform capped it at the head's 20
+    "more_logprobs_than_the_head": (12, {"logprobs": 50}),
+    "logprobs_of_the_whole_vocabulary": (12, {"logprobs": -1}),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_a_request_the_model_cannot_serve_fails_alone(engine, poison):
+    free_before = engine.num_free_blocks
+    prompt, params = POISONS[poison]
+    engine.add("A", 40)
+    engine.step(2)  # A decoding when the poison arrives
+    engine.add("P", prompt, **params)
+    engine.add("B", 20)
+    engine.run()
+    assert_served_around(engine, "P", ["A", "B"], free_before)
+
+
+def test_a_prompt_given_as_embeddings_fails_alone(engine):
+    """Refused at start-up (--enable-prompt-embeds); were one to arrive, it fails alone."""
+    free_before = engine.num_free_blocks
+    engine.add("A", 40)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    embeds = Request("P", None, params, None, prompt_embeds=torch.zeros(12, 64))
+    engine.scheduler.add_request(embeds)
+    engine.run()
+    assert_served_around(engine, "P", ["A"], free_before)
+
+
+def test_a_failed_prefill_leaves_nothing_in_the_prefix_cache(engine, model, monkeypatch):
+    """The second chunk of a 100-token prompt fails: the request ends, A goes on, and a later
+    request with the same prompt finds none of the failed request's blocks cached."""
+    prefill = model.forward_prefill
+    calls = []
+
+    def second_chunk_fails(chunks):
+        calls.append(chunks)
+        if len(calls) == 3:  # A's prompt, P's first chunk, P's second chunk
+            raise RuntimeError("planted failure")
+        return prefill(chunks)
+
+    monkeypatch.setattr(model, "forward_prefill", second_chunk_fails)
+    free_before = engine.num_free_blocks
+    engine.add("A", 20)
+    engine.step()
+    poison = engine.add("P", 100)
+    engine.run()
+    assert_served_around(engine, "P", ["A"], free_before)
+
+    again = make_request("Q", poison.prompt_token_ids, engine.block_hasher, poison.sampling_params)
+    num_cached_tokens = engine.scheduler.kv_cache_manager.get_computed_blocks(again)[1]
+    assert num_cached_tokens == 0
+
+
+def test_host_side_processing_failure_ends_its_row_alone(engine, monkeypatch):
+    """B's penalty processing fails on its third token; A, decoding beside it, is untouched."""
+    resample = runner_module.resample
+    calls = []
+
+    def third_call_fails(logits, request, sampling, config):
+        calls.append(request.req_id)
+        if len(calls) == 3:
+            raise RuntimeError("planted failure")
+        return resample(logits, request, sampling, config)
+
+    monkeypatch.setattr(runner_module, "resample", third_call_fails)
+    engine.add("A", 20)
+    engine.add("B", 20, repetition_penalty=1.5)
+    engine.run()
+    assert engine.finished["B"] is FinishReason.ERROR
+    assert len(engine.tokens["B"]) == 2
+    assert engine.finished["A"] is FinishReason.LENGTH
+    assert len(engine.tokens["A"]) == MAX_TOKENS
+
+
+def test_a_failure_shared_by_a_batch_stops_the_engine(engine, model, monkeypatch):
+    """A decode program failing for two rows cannot be blamed on one request: it propagates."""
+
+    def decode_fails(rows):
+        raise RuntimeError("planted failure")
+
+    engine.add("A", 20)
+    engine.add("B", 20)
+    engine.step(2)  # both prompts computed
+    monkeypatch.setattr(model, "forward_decode", decode_fails)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        engine_step(engine.scheduler, engine.runner)
+
+
+@pytest.mark.parametrize(
+    ("exc", "num_requests", "is_theirs"),
+    [
+        (RequestError("bad input"), 3, True),
+        (RuntimeError("program failed"), 1, True),
+        (RuntimeError("program failed"), 2, False),
+        (AssertionError("broken invariant"), 1, False),
+        (MemoryError(), 1, False),
+        (KeyboardInterrupt(), 1, False),
+    ],
+)
+def test_failures_are_classified_in_one_place(exc, num_requests, is_theirs):
+    assert is_per_request(exc, num_requests) is is_theirs
