@@ -45,3 +45,8 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     """`payload` as JSON at `path`, written whole or not at all."""
     with staged_path(path) as staging:
         staging.write_text(json.dumps(payload, indent=2, sort_keys=True))
+
+
+def sync_directory(path: Path) -> None:
+    """Make the renames done inside directory `path` survive a crash (fsync of the directory)."""
+    _fsync(path)

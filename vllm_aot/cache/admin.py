@@ -14,7 +14,6 @@ from vllm_aot import paths
 from vllm_aot.cache.keys import cpu_target, versions
 from vllm_aot.cache.local import LocalCache
 from vllm_aot.cache.program_cache import ProgramCache
-from vllm_aot.cache.remote import fetch_entry, push_entry, remote_keys
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,9 @@ class CacheStatus:
     legacy: list[Path] = field(default_factory=list)  # caches of an older vllm-aot layout
     remote_url: str | None = None
     remote_entries: int | None = None
+    remote_failure: str | None = None  # why the remote store could not be read
+    is_signing: bool = False  # uploads signed, unsigned remote objects refused
+    is_read_only: bool = False
 
 
 def _entry_version(meta: dict) -> str:
@@ -71,7 +73,10 @@ def status(cache: ProgramCache) -> CacheStatus:
     result.configurations = len(cache.registry.local_entries())
     result.legacy = legacy_dirs()
     if cache.remote is not None:
-        result.remote_entries = len(remote_keys(cache.remote))
+        result.remote_entries = len(cache.remote.entry_keys())
+        result.remote_failure = cache.remote.failure
+        result.is_signing = cache.remote.trust.is_signing
+        result.is_read_only = cache.remote.read_only
     return result
 
 
@@ -99,6 +104,7 @@ def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
         if entry.incompatibility:
             path = cache.registry.root / entry.arch_digest / f"{entry.name}.json"
             doomed.append((f"configuration {entry.name} ({entry.incompatibility})", path))
+    doomed += [(f"malformed registry record {p}", p) for p in cache.registry.malformed_local()]
     doomed += [(f"legacy cache {p}", p) for p in legacy_dirs()]
     done = []
     for what, path in doomed:
@@ -114,25 +120,37 @@ def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
     return done
 
 
-def sync(cache: ProgramCache, *, push: bool, pull: bool) -> tuple[int, int]:
-    """Copy entries and registry records the other side lacks; returns (pushed, pulled)."""
-    if cache.remote is None:
+def sync(
+    cache: ProgramCache, *, push: bool, pull: bool, overwrite: bool = False
+) -> tuple[int, int]:
+    """Copy entries and registry records the other side lacks (`overwrite`: push every local
+    entry, replacing the store's copy, e.g. to sign it with a new key); returns (pushed, pulled).
+
+    Entries pulled are verified like any fetch (a refused one is a warning, not counted). Raises
+    ValueError without a remote store or when pushing to a read-only one, RuntimeError when the
+    store failed (its reason)."""
+    remote_tier = cache.remote
+    if remote_tier is None:
         raise ValueError(
             "no remote store configured: pass --remote URL or set VLLM_AOT_REMOTE_CACHE"
         )
-    remote = remote_keys(cache.remote)
+    if push and remote_tier.read_only:
+        raise ValueError("the remote store is read-only (VLLM_AOT_CACHE_READ_ONLY): cannot push")
+    remote = remote_tier.entry_keys()
     local = set(cache.local.entry_keys())
     pushed = pulled = 0
     if push:
-        for key in sorted(local - remote):
-            if cache.local.lookup(key) is not None:
-                push_entry(cache.remote, key, cache.local)
-                pushed += 1
+        for key in sorted(local if overwrite else local - remote):
+            pushed += remote_tier.push_entry(key, cache.local)
         cache.registry.push_all()
     if pull:
         for key in sorted(remote - local):
             with cache.local.lock(key, timeout=cache.settings.lock_timeout):
-                if fetch_entry(cache.remote, key, cache.local) is not None:
-                    pulled += 1
+                pulled += remote_tier.fetch_entry(key, cache.local) is not None
         cache.registry.pull_all()
+    if remote_tier.failure is not None:
+        raise RuntimeError(
+            f"remote store {remote_tier.url} failed after {pushed} pushed and {pulled} pulled: "
+            f"{remote_tier.failure}"
+        )
     return pushed, pulled

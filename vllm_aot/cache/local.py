@@ -3,7 +3,7 @@
 Layout under the cache root (default `~/.cache/vllm-aot/compiled`):
 
     entries/<key>/program.pt2, meta.json   complete entries; meta.json holds the sha256 and size
-    entries/.staging-<key>-<host>-<pid>/    an entry being written; renamed into place when whole
+    entries/.staging-<key>-<pid>-<random>/  an entry being written; renamed into place when whole
     locks/<key>.lock, <key>.owner          flock held while one process compiles the key; the
                                            owner file says who (pid, host, since when)
     failed/<key>.json                      the last failed compile of a key (never blocks a retry)
@@ -12,6 +12,8 @@ Readers never lock: an entry exists only once its directory was renamed into pla
 verified against its recorded digest before use; a mismatch removes it (it will be rebuilt).
 A lock dies with its process (flock), so a crashed compiler never blocks anyone; its owner file
 and staging directory are left for `cleanup` (and are removed by the next owner of the key).
+Keys become directory and file names only when they are hex digests (ValueError otherwise), and
+a committed entry's rename is synced to disk with its directory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -31,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.files import write_json_atomic
+from vllm_aot.cache.keys import KEY_LENGTH
+from vllm_aot.cache.trust import is_hex_digest
+from vllm_aot.files import sync_directory, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,13 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def checked_key(key: str) -> str:
+    """`key`, once it is known to be a cache key (a hex digest), before it names a path."""
+    if not is_hex_digest(key, KEY_LENGTH):
+        raise ValueError(f"{key!r} is not a cache key ({KEY_LENGTH} hex digits)")
+    return key
 
 
 def pid_alive(pid: int) -> bool:
@@ -90,7 +102,7 @@ class LocalCache:
     # -- entries -----------------------------------------------------------------------------
 
     def entry_dir(self, key: str) -> Path:
-        return self.entries_dir / key
+        return self.entries_dir / checked_key(key)
 
     def lookup(self, key: str) -> Path | None:
         """The verified program file of `key`, or None. A corrupted entry is removed."""
@@ -113,14 +125,15 @@ class LocalCache:
 
     def read_meta(self, key: str) -> dict[str, Any] | None:
         try:
-            return json.loads((self.entry_dir(key) / META_FILE).read_text())
+            meta = json.loads((self.entry_dir(key) / META_FILE).read_text())
         except (OSError, ValueError):
             return None
+        return meta if isinstance(meta, dict) else None
 
     def staging_dir(self, key: str) -> Path:
-        """A fresh, private directory to build `key`'s entry in (see `commit`)."""
-        path = self.entries_dir / f".staging-{key}-{os.getpid()}"
-        shutil.rmtree(path, ignore_errors=True)
+        """A fresh, private directory to build `key`'s entry in (see `commit`); unique even among
+        threads of one process and hosts sharing the cache."""
+        path = self._private_name("staging", checked_key(key))
         path.mkdir(parents=True)
         write_json_atomic(path / OWNER_FILE, LockOwner.me().__dict__)
         return path
@@ -146,6 +159,7 @@ class LocalCache:
                 os.rename(staging, target)
             else:
                 shutil.rmtree(staging, ignore_errors=True)
+        sync_directory(self.entries_dir)
         self.clear_failure(key)
         return target / PROGRAM_FILE
 
@@ -153,15 +167,21 @@ class LocalCache:
         entry = self.entry_dir(key)
         if not entry.exists():
             return
-        doomed = self.entries_dir / f".removing-{key}-{os.getpid()}"
+        doomed = self._private_name("removing", key)
         with contextlib.suppress(OSError):
             os.rename(entry, doomed)  # readers stop seeing it at once
             shutil.rmtree(doomed, ignore_errors=True)
 
+    def _private_name(self, purpose: str, key: str) -> Path:
+        """A hidden name in entries/ that no other thread, process or host uses."""
+        return self.entries_dir / f".{purpose}-{key}-{os.getpid()}-{secrets.token_hex(4)}"
+
     def entry_keys(self) -> list[str]:
         if not self.entries_dir.is_dir():
             return []
-        return sorted(p.name for p in self.entries_dir.iterdir() if not p.name.startswith("."))
+        return sorted(
+            p.name for p in self.entries_dir.iterdir() if is_hex_digest(p.name, KEY_LENGTH)
+        )
 
     def abandoned_staging(self, key: str = "") -> list[Path]:
         """Staging directories (of `key`, or all) whose writer is dead, and half-removed entries."""
@@ -222,7 +242,7 @@ class LocalCache:
     def try_lock(self, key: str, *, timeout: float):
         """Take `key`'s lock and return its handle (for `unlock`); CacheLockTimeout otherwise."""
         self.locks_dir.mkdir(parents=True, exist_ok=True)
-        path = self.lock_path(key)
+        path = self.lock_path(checked_key(key))
         handle = open(path, "a")  # noqa: SIM115 - lives as long as the lock
         deadline = time.monotonic() + timeout
         while True:
@@ -268,7 +288,7 @@ class LocalCache:
             "time": time.time(),
             "host": socket.gethostname(),
         }
-        write_json_atomic(self.failed_dir / f"{key}.json", payload)
+        write_json_atomic(self.failed_dir / f"{checked_key(key)}.json", payload)
 
     def failure(self, key: str) -> dict[str, Any] | None:
         try:

@@ -6,6 +6,10 @@ lock another process holds are left for last and waited for (with a timeout), so
 starting together split the work and neither compiles a program twice. Each compiled program is
 committed (and uploaded, when configured) as soon as it is done, so an interrupted start keeps
 what it finished. When the whole configuration is present it is recorded in the registry.
+
+The remote store is a `RemoteTier`: what it fails to give (unreachable, slow, refused) is a miss
+and what it fails to take is a warning, so a remote store never stops a start that the local cache
+or the compiler can serve.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from vllm_aot import paths
 from vllm_aot.cache.keys import arch_digest, program_cache_key, program_fingerprint
 from vllm_aot.cache.local import PROGRAM_FILE, CacheLockTimeout, LocalCache
 from vllm_aot.cache.registry import CompiledConfiguration, Registry, describe_rows
-from vllm_aot.cache.remote import fetch_entry, open_store, push_entry, remote_keys
+from vllm_aot.cache.remote import RemoteStore, open_store
+from vllm_aot.cache.remote_tier import RemoteTier
+from vllm_aot.cache.trust import Trust, signing_key
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
@@ -47,17 +53,35 @@ class CacheSettings:
     root: Path
     remote_url: str | None = None
     upload: bool = False  # push every program this process compiles to the remote store
+    read_only: bool = False  # never write to the remote store (serving fleets)
+    # HMAC key: uploads are signed, remote objects without its signature refused (trust.py)
+    signing_key: bytes | None = field(default=None, repr=False)
+    remote_timeout: float = 30.0  # seconds a remote call may take (plus 1 s per MB of payload)
     lock_timeout: float = 1800.0  # seconds to wait for a program another process compiles
+
+    def __post_init__(self) -> None:
+        if self.upload and self.read_only:
+            raise ValueError(
+                "uploads are asked for (--cache-upload or VLLM_AOT_CACHE_UPLOAD) but the remote "
+                "store is read-only (VLLM_AOT_CACHE_READ_ONLY); give one"
+            )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> CacheSettings:
-        """VLLM_AOT_REMOTE_CACHE (URL), VLLM_AOT_CACHE_UPLOAD=1, VLLM_AOT_CACHE_LOCK_TIMEOUT (s);
-        explicit `overrides` (not None) win."""
+        """VLLM_AOT_REMOTE_CACHE (URL), VLLM_AOT_CACHE_UPLOAD=1, VLLM_AOT_CACHE_READ_ONLY=1,
+        VLLM_AOT_CACHE_SIGNING_KEY (or _FILE, a file holding it), VLLM_AOT_REMOTE_TIMEOUT (s),
+        VLLM_AOT_CACHE_LOCK_TIMEOUT (s); explicit `overrides` (not None) win."""
+        env = os.environ.get
         settings = {
             "root": paths.compiled_cache_dir(),
-            "remote_url": os.environ.get("VLLM_AOT_REMOTE_CACHE") or None,
-            "upload": os.environ.get("VLLM_AOT_CACHE_UPLOAD", "") not in ("", "0", "false"),
-            "lock_timeout": float(os.environ.get("VLLM_AOT_CACHE_LOCK_TIMEOUT", 1800)),
+            "remote_url": env("VLLM_AOT_REMOTE_CACHE") or None,
+            "upload": env("VLLM_AOT_CACHE_UPLOAD", "") not in ("", "0", "false"),
+            "read_only": env("VLLM_AOT_CACHE_READ_ONLY", "") not in ("", "0", "false"),
+            "signing_key": signing_key(
+                env("VLLM_AOT_CACHE_SIGNING_KEY"), env("VLLM_AOT_CACHE_SIGNING_KEY_FILE")
+            ),
+            "remote_timeout": float(env("VLLM_AOT_REMOTE_TIMEOUT", 30)),
+            "lock_timeout": float(env("VLLM_AOT_CACHE_LOCK_TIMEOUT", 1800)),
         }
         settings.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**{**settings, "root": Path(settings["root"])})
@@ -81,10 +105,20 @@ class CacheOutcome:
 
 
 class ProgramCache:
-    def __init__(self, settings: CacheSettings) -> None:
+    def __init__(self, settings: CacheSettings, *, store: RemoteStore | None = None) -> None:
+        """`store`: the remote store itself, instead of the one `settings.remote_url` names."""
         self.settings = settings
         self.local = LocalCache(settings.root)
-        self.remote = open_store(settings.remote_url) if settings.remote_url else None
+        if store is None and settings.remote_url:
+            store = open_store(settings.remote_url, timeout=settings.remote_timeout)
+        self.remote = None
+        if store is not None:
+            self.remote = RemoteTier(
+                store,
+                trust=Trust(settings.signing_key),
+                read_only=settings.read_only,
+                timeout=settings.remote_timeout,
+            )
         self.registry = Registry(settings.root, self.remote)
 
     def ensure(
@@ -153,7 +187,7 @@ class ProgramCache:
             if (path := self.local.lookup(keys[pk])) is not None:
                 add(pk, path, "local", time.perf_counter() - start)
             elif self.remote is not None and (
-                path := fetch_entry(self.remote, keys[pk], self.local)
+                path := self.remote.fetch_entry(keys[pk], self.local)
             ):
                 add(pk, path, "remote", time.perf_counter() - start)
             else:
@@ -179,11 +213,16 @@ class ProgramCache:
             path = self.local.commit(keys[pk], staging[pk], meta)
             add(pk, path, "compiled", seconds)
             if self.settings.upload and self.remote is not None:
-                push_entry(self.remote, keys[pk], self.local)
+                self.remote.push_entry(keys[pk], self.local)  # a failure is its warning
             self.local.unlock(keys[pk], locked.pop(pk))
 
         try:
             compile_fn([(pk, staging[pk] / PROGRAM_FILE) for pk in to_build], on_done)
+            if unreported := sorted(pk.name for pk in to_build if pk in locked):
+                raise RuntimeError(
+                    f"compiling ended without committing {', '.join(unreported)}: the compiler "
+                    "did not report them, or committing them failed (see the error above)"
+                )
         except BaseException:
             error = traceback.format_exc()
             for pk in to_build:
@@ -200,7 +239,7 @@ class ProgramCache:
         keys = {pk: program_cache_key(arch, config, pk) for pk in all_program_keys(config)}
         absent = [pk for pk, key in keys.items() if self.local.lookup(key) is None]
         if absent and self.remote is not None:
-            remote = remote_keys(self.remote)
+            remote = self.remote.entry_keys()
             absent = [pk for pk in absent if keys[pk] not in remote]
         return absent
 

@@ -5,21 +5,36 @@ architecture share records): `registry/<arch digest>/<configuration digest>.json
 the cache entries and in the remote store. A record lists the cache key of each of its programs;
 it is written once every program is in the cache. Selection (`select_configuration`) keeps exact
 matches on what the user asked for, then prefers the largest TP, then batch, then length that fits.
+
+A record read from disk or the store is parsed by `parse_record`, which refuses what is not one
+(not JSON, missing or mistyped fields, shapes RuntimeConfig refuses, digests that are not hex): a
+malformed record is skipped with a warning naming it, so one bad file never stops a selection.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, Field, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.cache.keys import arch_digest, cpu_target, digest, versions
-from vllm_aot.cache.remote import RemoteStore, get_json, put_json
+from vllm_aot.cache.keys import (
+    ARCH_DIGEST_LENGTH,
+    KEY_LENGTH,
+    arch_digest,
+    cpu_target,
+    digest,
+    versions,
+)
+from vllm_aot.cache.remote_tier import RemoteTier
+from vllm_aot.cache.trust import is_hex_digest
 from vllm_aot.files import write_json_atomic
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
+
+logger = logging.getLogger(__name__)
 
 # Fields a user may pin when selecting (serve flags), with the registry field they compare to.
 SELECTABLE = (
@@ -30,6 +45,7 @@ SELECTABLE = (
     "dtype",
     "tensor_parallel_size",
 )
+RUNTIME_SELECTABLE = tuple(name for name in SELECTABLE if name != "tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,7 @@ class CompiledConfiguration:
 
 
 class Registry:
-    def __init__(self, cache_root: str | Path, remote: RemoteStore | None = None) -> None:
+    def __init__(self, cache_root: str | Path, remote: RemoteTier | None = None) -> None:
         self.cache_root = Path(cache_root)
         self.root = self.cache_root / "registry"
         self.remote = remote
@@ -96,51 +112,112 @@ class Registry:
         return (self.cache_root / self._object(entry)).is_file()
 
     def record(self, entry: CompiledConfiguration, *, push: bool = False) -> None:
+        """Write `entry` locally and, with `push`, to the remote store (a failed upload is the
+        remote tier's warning, not an error)."""
         path = self.cache_root / self._object(entry)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, entry.to_json())
         if push and self.remote is not None:
-            put_json(self.remote, self._object(entry), entry.to_json())
+            self.remote.put_record(self._object(entry), entry.to_json())
 
     def local_entries(self, arch: str | None = None) -> list[CompiledConfiguration]:
+        """The well-formed local records (of one architecture digest, or all)."""
+        return [entry for _, entry in self._scan_local(arch) if entry is not None]
+
+    def malformed_local(self) -> list[Path]:
+        """Local record files that are not records (`cache cleanup` removes them)."""
+        return [path for path, entry in self._scan_local(None) if entry is None]
+
+    def _scan_local(self, arch: str | None) -> list[tuple[Path, CompiledConfiguration | None]]:
         base = self.root / arch if arch else self.root
         if not base.is_dir():
             return []
-        return [_load(json.loads(p.read_text()), "local") for p in sorted(base.rglob("*.json"))]
+        found = []
+        for path in sorted(base.rglob("*.json")):
+            try:
+                found.append((path, parse_record(json.loads(path.read_bytes()), "local")))
+            except (OSError, ValueError) as exc:
+                logger.warning("vllm-aot cache: skipping registry record %s: %s", path, exc)
+                found.append((path, None))
+        return found
+
+    def _remote_entries(self, prefix: str) -> list[CompiledConfiguration]:
+        if self.remote is None:
+            return []
+        found = []
+        for name, payload in self.remote.records(prefix):
+            try:
+                found.append(parse_record(payload, self.remote.url))
+            except ValueError as exc:
+                logger.warning(
+                    "vllm-aot cache: skipping registry record %s from %s: %s",
+                    name,
+                    self.remote.url,
+                    exc,
+                )
+        return found
 
     def entries(self, arch: str) -> list[CompiledConfiguration]:
         """Local and remote records for one architecture digest (local first, deduplicated)."""
         found = {e.name: e for e in self.local_entries(arch)}
-        if self.remote is not None:
-            for name in self.remote.list(f"registry/{arch}/"):
-                payload = get_json(self.remote, name)
-                if payload is not None:
-                    entry = _load(payload, self.remote.url)
-                    found.setdefault(entry.name, entry)
+        for entry in self._remote_entries(f"registry/{arch}/"):
+            found.setdefault(entry.name, entry)
         return sorted(found.values(), key=_preference, reverse=True)
 
     def push_all(self) -> int:
+        """Upload every local record; how many were stored."""
         if self.remote is None:
             return 0
-        entries = self.local_entries()
-        for entry in entries:
-            put_json(self.remote, self._object(entry), entry.to_json())
-        return len(entries)
+        return sum(
+            self.remote.put_record(self._object(entry), entry.to_json())
+            for entry in self.local_entries()
+        )
 
     def pull_all(self) -> int:
-        if self.remote is None:
-            return 0
-        names = self.remote.list("registry/")
-        for name in names:
-            payload = get_json(self.remote, name)
-            if payload is not None:
-                self.record(_load(payload, self.remote.url))
-        return len(names)
+        """Record every well-formed remote record locally; how many."""
+        entries = self._remote_entries("registry/")
+        for entry in entries:
+            self.record(entry)
+        return len(entries)
 
 
-def _load(payload: dict[str, Any], location: str) -> CompiledConfiguration:
-    known = {k: v for k, v in payload.items() if k in CompiledConfiguration.__dataclass_fields__}
-    return CompiledConfiguration(**{**known, "location": location})
+def parse_record(payload: Any, location: str) -> CompiledConfiguration:
+    """A registry record as a CompiledConfiguration found at `location`; ValueError naming what
+    makes it no record."""
+    if not isinstance(payload, dict):
+        raise ValueError("not a JSON object")
+    fields = CompiledConfiguration.__dataclass_fields__
+    known = {k: v for k, v in payload.items() if k in fields and k != "location"}
+    missing = [name for name, f in fields.items() if _is_required(f) and name not in known]
+    if missing:
+        raise ValueError(f"missing {missing}")
+    entry = CompiledConfiguration(**known, location=location)
+    if not is_hex_digest(entry.arch_digest, ARCH_DIGEST_LENGTH):
+        raise ValueError(f"arch_digest {entry.arch_digest!r} is not a hex digest")
+    texts = (entry.architecture, entry.target, entry.torch, entry.vllm_aot)
+    if not all(isinstance(text, str) for text in texts):
+        raise ValueError("architecture, target, torch and vllm_aot must be strings")
+    if not isinstance(entry.tensor_parallel_size, int) or entry.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size {entry.tensor_parallel_size!r}")
+    if not isinstance(entry.created, (int, float)):
+        raise ValueError(f"created {entry.created!r} is not a time")
+    programs = entry.programs
+    if not isinstance(programs, dict) or not all(
+        isinstance(name, str) and is_hex_digest(key, KEY_LENGTH) for name, key in programs.items()
+    ):
+        raise ValueError("programs must map program names to cache keys")
+    runtime = entry.runtime
+    if not isinstance(runtime, dict) or not set(RUNTIME_SELECTABLE) <= set(runtime):
+        raise ValueError(f"runtime must hold {list(RUNTIME_SELECTABLE)}")
+    try:
+        RuntimeConfig.from_dict(runtime)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"runtime {runtime}: {exc}") from None
+    return entry
+
+
+def _is_required(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
 
 
 def _preference(entry: CompiledConfiguration) -> tuple[int, int, int, float]:

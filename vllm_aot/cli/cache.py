@@ -11,7 +11,10 @@ from rich.table import Table
 def _cache(args: argparse.Namespace):
     from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 
-    return ProgramCache(CacheSettings.from_env(root=args.cache_dir, remote_url=args.remote))
+    try:
+        return ProgramCache(CacheSettings.from_env(root=args.cache_dir, remote_url=args.remote))
+    except ValueError as exc:  # a bad URL, signing key or contradicting settings
+        raise SystemExit(f"error: {exc}") from exc
 
 
 def cmd_status(args: argparse.Namespace, console: Console) -> int:
@@ -26,7 +29,18 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
     for version, count in sorted(s.versions.items()):
         console.print(f"  {count:4d} programs built by {version}")
     if s.remote_url:
-        console.print(f"remote store {s.remote_url}: {s.remote_entries} programs")
+        found = (
+            f"unreachable ({s.remote_failure})"
+            if s.remote_failure
+            else f"{s.remote_entries} programs"
+        )
+        trust = (
+            "signed (uploads signed, unsigned objects refused)"
+            if s.is_signing
+            else "unsigned: its objects are trusted as-is (set VLLM_AOT_CACHE_SIGNING_KEY)"
+        )
+        mode = ", read-only" if s.is_read_only else ""
+        console.print(f"remote store {s.remote_url}: {found}; {trust}{mode}")
     for failure in s.failed:
         error = failure["error"].strip().splitlines()[-1:] or ["?"]
         console.print(f"failed: {failure['name']} ({failure['key']}): {error[0]}")
@@ -83,8 +97,8 @@ def cmd_sync(args: argparse.Namespace, console: Console) -> int:
     pull = args.direction in ("pull", "both")
     cache = _cache(args)
     try:
-        pushed, pulled = sync(cache, push=push, pull=pull)
-    except ValueError as exc:
+        pushed, pulled = sync(cache, push=push, pull=pull, overwrite=args.overwrite)
+    except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     console.print(f"{cache.remote.url}: pushed {pushed} programs, pulled {pulled}")
     return 0
@@ -105,5 +119,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="cleanup: only list")
     p.add_argument(
         "--direction", choices=["push", "pull", "both"], default="both", help="sync: which way"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="sync: push every local program, replacing the store's copy (to sign it with the "
+        "current VLLM_AOT_CACHE_SIGNING_KEY)",
     )
     p.set_defaults(func=lambda args: ACTIONS[args.action](args, Console(width=140)))
