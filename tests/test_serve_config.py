@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 
 from vllm_aot.cli.main import build_parser, main, reclaim_flag_value
+from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.cores import format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.metrics import label_sample
 from vllm_aot.serve.replicas import RestartPolicy
-from vllm_aot.serve.settings import RegistryPick, ShapeFlags, choose_config, flag_value
+from vllm_aot.serve.settings import (
+    RegistryPick,
+    ShapeFlags,
+    choose_config,
+    flag_value,
+    flag_values,
+)
 
 MANIFEST = {"config": {"max_num_seqs": 8, "max_model_len": 512, "dtype": "float32",
                        "block_size": 16, "max_num_batched_tokens": 128}}  # fmt: skip
@@ -116,6 +123,29 @@ def test_serve_refuses_before_starting_anything(tiny_model_dir, argv, message, c
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", str(tiny_model_dir), "--backend", "eager", *argv])
     assert message in str(exit_info.value)
+
+
+def test_the_proxy_takes_the_api_keys_vllm_would():
+    assert flag_values(("--api-key", "a", "b", "--port", "1"), "--api-key") == ("a", "b")
+    assert flag_values(("--api_key=a", "--api-key", "c"), "--api-key") == ("c",)  # last wins
+    assert flag_values(("--port", "1"), "--api-key") is None
+    keys = ApiKeys.from_vllm_flags(("--api-key", "a", "b", "--dtype", "float32"), {})
+    assert keys.is_required and keys.accepts("Bearer b") and keys.accepts("bearer a")
+    assert not any(keys.accepts(h) for h in (None, "", "Bearer", "Bearer c", "Basic a", "a"))
+    assert "'a'" not in repr(keys) and "b'" not in repr(keys)  # no key in logs
+    from_env = ApiKeys.from_vllm_flags((), {"VLLM_API_KEY": "e"})
+    assert from_env.accepts("Bearer e") and not from_env.accepts("Bearer a")
+    assert ApiKeys.from_vllm_flags(("--api-key", "a"), {"VLLM_API_KEY": "e"}).accepts("Bearer a")
+    assert not ApiKeys.from_vllm_flags((), {}).is_required
+    assert not ApiKeys.from_vllm_flags((), {"VLLM_API_KEY": ""}).is_required
+
+
+def test_serve_lifecycle_flags_reach_the_policy_and_are_checked():
+    args = build_parser().parse_args(["serve", "--replica-hang-timeout", "5", "--expose-metrics"])
+    assert args.replica_hang_timeout == 5.0 and args.expose_metrics
+    assert RestartPolicy().hang_timeout == 30.0
+    with pytest.raises(ValueError, match="hang_timeout must be positive"):
+        RestartPolicy(hang_timeout=0)
 
 
 def test_replica_label_and_restart_backoff():

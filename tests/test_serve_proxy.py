@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.pool import ReplicaPool
 from vllm_aot.serve.proxy import REPLICA_HEADER, Proxy, ProxyConfig
 from vllm_aot.testing import free_port
@@ -37,6 +38,7 @@ class FakeReplica:
     is_healthy: bool = True
     num_aborted: int = 0
     seen_auth: list[str | None] = field(default_factory=list)
+    seen_paths: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -46,6 +48,7 @@ class FakeReplica:
         app.router.add_post("/v1/echo", self.echo)
         app.router.add_post("/v1/stream", self.stream)
         app.router.add_post("/v1/die", self.die)
+        app.router.add_route("*", "/{tail:.*}", self.anything)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -82,6 +85,10 @@ class FakeReplica:
             self.num_aborted += 1
             raise
         return response
+
+    async def anything(self, request):
+        self.seen_paths.append(request.path)
+        return web.json_response({"path": request.path})
 
     async def die(self, request):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -268,5 +275,63 @@ def test_metrics_merge_every_replicas_series_with_a_replica_label():
         # A family's samples stay together, after its TYPE line (Prometheus text format).
         start = lines.index("# TYPE vllm:ttft_seconds histogram")
         assert all(line.startswith("vllm:ttft_seconds") for line in lines[start + 1 : start + 9])
+
+    run(main())
+
+
+# vLLM's --api-key guards /v1, /v2, /inference and /cohere only; the proxy guards every path.
+GUARDED = [
+    ("GET", "/v1/models"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v2/embeddings"),
+    ("POST", "/inference/v1/generate"),
+    ("POST", "/invocations"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/pooling"),
+    ("POST", "/score"),
+    ("POST", "/classify"),
+    ("POST", "/rerank"),
+    ("POST", "/start_profile"),
+    ("POST", "/stop_profile"),
+    ("GET", "/version"),
+    ("GET", "/ping"),
+    ("POST", "/health"),  # not the proxy's own /health: it would reach a replica
+    ("GET", "/metrics"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), GUARDED)
+def test_api_key_guards_every_path_before_any_replica_sees_it(method, path):
+    async def main():
+        keys = ApiKeys.of(["key-one", "key-two"])
+        async with proxied(api_keys=keys) as (client, replicas, _):
+            for authorization in (None, "Bearer wrong", "Basic key-one", "bearer", "key-one"):
+                headers = {"Authorization": authorization} if authorization else {}
+                async with client.request(method, path, headers=headers) as response:
+                    assert response.status == 401, (authorization, response.status)
+                    assert await response.json() == {"error": "Unauthorized"}  # vLLM's own
+            assert [p for r in replicas for p in r.seen_paths] == []
+            headers = {"Authorization": "Bearer key-two"}
+            async with client.request(method, path, headers=headers) as response:
+                assert response.status == 200
+
+    run(main())
+
+
+def test_health_is_public_and_metrics_only_when_exposed():
+    async def main():
+        keys = ApiKeys.of(["k"])
+        async with proxied(api_keys=keys) as (client, _, _pool):
+            async with client.get("/health") as response:
+                assert response.status == 200
+            async with client.get("/metrics") as response:
+                assert response.status == 401
+        async with proxied(api_keys=keys, is_metrics_public=True) as (client, _, _pool):
+            async with client.get("/metrics") as response:
+                assert response.status == 200
+                assert "vllm_aot_proxy_requests_total" in await response.text()
+            async with client.post("/v1/echo", data=b"x") as response:
+                assert response.status == 401
 
     run(main())

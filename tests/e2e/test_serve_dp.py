@@ -94,7 +94,9 @@ def wait_all_healthy(url: str, timeout: float = 240) -> None:
         time.sleep(1)
 
 
-def run_streams(url: str, num_streams: int, max_tokens: int, during=None):
+def run_streams(url: str, num_streams: int, max_tokens: int, during=None, first_of=None):
+    """Stream `num_streams` completions; once the first `first_of` (default: all) have a first
+    token, call `during()`."""
     events: list = []
     started = [threading.Event() for _ in range(num_streams)]
     threads = [
@@ -104,8 +106,10 @@ def run_streams(url: str, num_streams: int, max_tokens: int, during=None):
     for thread in threads:
         thread.start()
     if during is not None:
-        for event in started:
-            assert event.wait(60), "a stream got no first token"
+        deadline = time.monotonic() + 60
+        while sum(e.is_set() for e in started) < (first_of or num_streams):
+            assert time.monotonic() < deadline, "streams got no first token"
+            time.sleep(0.05)
         during()
     for thread in threads:
         thread.join(180)
@@ -123,6 +127,13 @@ def test_api_key_is_checked_through_the_proxy(dp_server):
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
     response = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=30)
     assert [m["id"] for m in response.json()["data"]] == ["tiny"]
+    # vLLM itself leaves /tokenize (and /invocations, /pooling, ...) open; the proxy does not.
+    body = {"model": "tiny", "prompt": "Once upon a time"}
+    response = httpx.post(f"{url}/tokenize", json=body, timeout=30)
+    assert (response.status_code, response.json()) == (401, {"error": "Unauthorized"})
+    response = httpx.post(f"{url}/tokenize", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 200 and response.json()["count"] > 0
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
 def test_two_replicas_serve_concurrent_streams(dp_server):
@@ -137,7 +148,8 @@ def test_two_replicas_serve_concurrent_streams(dp_server):
 
 def test_metrics_have_both_replicas_series(dp_server):
     url, _, _ = dp_server
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    assert httpx.get(f"{url}/metrics", timeout=30).status_code == 401  # no --expose-metrics
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=30).text
     for replica in ("0", "1"):
         assert f'vllm:num_requests_running{{replica="{replica}"' in text
         assert f'vllm_aot_proxy_requests_total{{replica="{replica}"}}' in text
@@ -174,20 +186,31 @@ def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp
         assert process.poll() is None
         time.sleep(1)
     assert {replica_served(url) for _ in range(4)} == {"0", "1"}
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=30).text
     assert 'vllm_aot_proxy_ejections_total{replica="0"} 1' in metrics
     assert "replica 0 process exited with code -9; restarting in 1 s" in log.read_text()
 
 
-def test_sigterm_stops_every_process(dp_server):
+def test_sigterm_with_16_streams_in_flight_stops_every_process_within_the_grace(dp_server):
     url, process, log = dp_server
     wait_all_healthy(url)  # not in the middle of an earlier test's restart
     children = descendants(process)
     assert len(children) >= 4  # two API servers and their engines
-    start = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    stopped_at: list[float] = []
+
+    def sigterm() -> None:
+        children.extend(p for p in descendants(process) if p not in children)
+        stopped_at.append(time.monotonic())
+        process.send_signal(signal.SIGTERM)
+
+    # 8 running (4 per replica), 8 waiting in vLLM's queues; each would take far past the grace.
+    events = run_streams(url, num_streams=16, max_tokens=230, during=sigterm, first_of=8)
     assert process.wait(30) == 0
-    assert time.monotonic() - start < 25
+    elapsed = time.monotonic() - stopped_at[0]
+    assert elapsed < 10 + 3, f"stopped {elapsed:.1f} s after SIGTERM (grace 10 s)"
+    assert len(events) == 16  # every client got an answer or an end, none hangs
+    for _, payloads in events:
+        assert payloads, "a stream ended without a word"
     assert [p.pid for p in children if p.is_running() and p.status() != "zombie"] == []
     assert "all replicas stopped" in log.read_text()
 

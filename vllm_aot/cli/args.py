@@ -79,13 +79,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1, help="replicas behind a proxy")
     g.add_argument("--cores", default=None, help="cores to split among replicas, e.g. 0-3,8-11")
     g.add_argument("--max-restarts", type=int, default=3, help="per replica, in a row")
-    g.add_argument("--start-timeout", type=float, default=900.0, help="seconds")
+    g.add_argument("--start-timeout", type=float, default=900.0, help="seconds, restarts too")
+    g.add_argument(
+        "--replica-hang-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a replica may fail every health check before it is killed and restarted",
+    )
     g.add_argument("--replica-log-dir", default=None, help="replica-N.log files (default: ours)")
     g = parser.add_argument_group("proxy (data-parallel-size > 1)")
     g.add_argument("--proxy-max-body-mb", type=int, default=32, help="request body limit")
     g.add_argument("--proxy-connect-timeout", type=float, default=5.0, help="seconds")
     g.add_argument("--proxy-read-timeout", type=float, default=600.0, help="seconds of silence")
     g.add_argument("--proxy-health-interval", type=float, default=2.0, help="seconds")
+    g.add_argument(
+        "--expose-metrics",
+        action="store_true",
+        help="/metrics without the API key (every other path but /health needs it)",
+    )
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:

@@ -3,25 +3,34 @@
 DP=1 replaces this process with vLLM's server (exec, pinned to `--cores` when given): no proxy
 hop and no extra process, so plain serving costs what it did. DP>1 starts the proxy on the
 public port first (its /health answers 503 while replicas start), then the replicas, and serves
-until SIGTERM/SIGINT, or until every replica is down for good (exit 1).
+until SIGTERM/SIGINT (exit 0), or until every replica is down for good (exit 1).
+
+Stopping takes at most the grace (10 s) plus a moment: the proxy stops accepting, every replica
+gets SIGTERM at once while the proxy's streams carry whatever the replicas still send, and at
+the grace whatever is left (descendants included) gets SIGKILL and the proxy cancels what is
+still in flight.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.cores import available_cores, format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.pool import ReplicaPool
-from vllm_aot.serve.proxy import Proxy, ProxyConfig
+from vllm_aot.serve.proxy import CANCEL_SECONDS, Proxy, ProxyConfig
 from vllm_aot.serve.replicas import (
+    STOP_GRACE_SECONDS,
     ReplicaExitedError,
     ReplicaManager,
     ReplicaSpec,
@@ -104,6 +113,13 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
             connect_timeout=args.proxy_connect_timeout,
             read_timeout=args.proxy_read_timeout,
             health_interval=args.proxy_health_interval,
+            api_keys=ApiKeys.from_vllm_flags(tuple(passthrough), os.environ),
+            is_metrics_public=args.expose_metrics,
+        )
+        policy = RestartPolicy(
+            max_restarts=args.max_restarts,
+            start_timeout=args.start_timeout,
+            hang_timeout=args.replica_hang_timeout,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -115,6 +131,15 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
     if args.data_parallel_size == 1:
+        if proxy_config.api_keys.is_required:
+            print(
+                "warning: with --data-parallel-size 1 vLLM itself checks --api-key, only on "
+                "/v1, /v2, /inference and /cohere (/invocations, /tokenize, /pooling ... stay "
+                "open); --data-parallel-size 2 or more puts the proxy in front, which checks "
+                "every path",
+                file=sys.stderr,
+                flush=True,
+            )
         command = server_command(
             model_dir, host=args.host, port=args.port, chosen=chosen, served_name=served_name
         )
@@ -140,9 +165,8 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
         flush=True,
     )
     print("$", " ".join(specs[0].command), flush=True)
-    policy = RestartPolicy(max_restarts=args.max_restarts)
     log_dir = Path(args.replica_log_dir) if args.replica_log_dir else None
-    return asyncio.run(serve_replicas(specs, proxy_config, policy, log_dir, args.start_timeout))
+    return asyncio.run(serve_replicas(specs, proxy_config, policy, log_dir))
 
 
 async def serve_replicas(
@@ -150,7 +174,7 @@ async def serve_replicas(
     proxy_config: ProxyConfig,
     policy: RestartPolicy,
     log_dir: Path | None,
-    start_timeout: float,
+    stop_grace: float = STOP_GRACE_SECONDS,
 ) -> int:
     """Proxy + replicas until a signal (exit 0), a failed start-up or every replica down (1)."""
     logging.basicConfig(level=logging.INFO, format="vllm-aot serve: %(message)s")
@@ -166,26 +190,51 @@ async def serve_replicas(
     try:
         await proxy.start()
         manager.start_all()
-        starting = asyncio.create_task(manager.wait_started(start_timeout))
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not starting.done():
-            starting.cancel()
+        if not await _unless_stopped(stop, manager.wait_started()):
             print("vllm-aot serve: stopped during start-up", file=sys.stderr, flush=True)
             return 0
-        starting.result()  # raises if a replica exited or timed out
         where = f"http://{proxy_config.host}:{proxy_config.port}"
         print(f"vllm-aot serve: ready on {where}", flush=True)
-        await manager.watch(stop)
-        if not stop.is_set():
+        if await _unless_stopped(stop, manager.watch()):
             print("vllm-aot serve: every replica is down; exiting", file=sys.stderr, flush=True)
             exit_code = 1
     except (ReplicaExitedError, TimeoutError) as exc:
         print(f"vllm-aot serve: error: {exc}", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
-        await proxy.stop()
-        manager.stop_all()
-        print("vllm-aot serve: all replicas stopped", file=sys.stderr, flush=True)
+        start = loop.time()
+        await shut_down(proxy, manager, grace=stop_grace)
+        seconds = loop.time() - start
+        print(
+            f"vllm-aot serve: all replicas stopped in {seconds:.1f} s", file=sys.stderr, flush=True
+        )
     return exit_code
+
+
+async def _unless_stopped(stop: asyncio.Event, work: Awaitable) -> bool:
+    """Run `work` until it ends (True; its exception propagates) or until `stop` is set first
+    (False; `work` is cancelled at once, whatever it was waiting on)."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
+async def shut_down(proxy: Proxy, manager: ReplicaManager, *, grace: float) -> None:
+    """Stop within `grace` s plus a moment: no new requests; every replica SIGTERMed at once
+    (vLLM aborts or drains its requests, and their streams end through the proxy); at `grace`
+    SIGKILL for what is left, whose streams then end with an error event; then the proxy
+    cancels whatever is still in flight."""
+    await proxy.stop_accepting()
+    stopping = asyncio.create_task(manager.stop_all(grace))
+    await proxy.drain(timeout=grace)
+    await stopping
+    await proxy.drain(timeout=CANCEL_SECONDS)
+    await proxy.stop()

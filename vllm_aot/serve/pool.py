@@ -2,13 +2,16 @@
 
 Routing: the healthy replica with the fewest requests in flight; ties go round-robin. A replica
 leaves the rotation (ejection) when a health check fails, when a request to it cannot connect, or
-when the replica manager sees its process exit; a passing health check re-admits it.
+when the replica manager sees its process exit; a passing health check re-admits it. A started
+replica's failing health checks are timed from the first of the run (`failing_since`), so the
+manager can kill and restart one that stays up but stops answering.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -31,6 +34,8 @@ class ReplicaState:
     num_errors: int = 0
     num_ejections: int = 0
     last_problem: str | None = None
+    failing_since: float | None = None  # monotonic time of the first failed check in a row
+    is_retired: bool = False  # left down for good: no more checks, `last_problem` says why
 
 
 @dataclass
@@ -68,6 +73,7 @@ class ReplicaPool:
 
     def admit(self, replica: ReplicaState) -> None:
         replica.is_started = True
+        replica.failing_since = None
         if not replica.is_healthy:
             replica.is_healthy = True
             replica.last_problem = None
@@ -78,6 +84,24 @@ class ReplicaPool:
         replica = self.replicas[index]
         self.eject(replica, reason)
         replica.is_started = False
+        replica.failing_since = None
+
+    def retire(self, index: int, reason: str) -> None:
+        """The manager gave replica `index` up: it stays out, with `reason` in the report."""
+        replica = self.replicas[index]
+        replica.is_retired, replica.last_problem = True, reason
+
+    def record_failed_check(self, replica: ReplicaState, problem: str) -> None:
+        """A health check failed: eject a started replica and start timing its failures (one
+        still starting is expected to fail)."""
+        if replica.is_retired:
+            return  # a check that began before the manager gave it up
+        if not replica.is_started:
+            replica.last_problem = problem
+            return
+        self.eject(replica, problem)
+        if replica.failing_since is None:
+            replica.failing_since = time.monotonic()
 
     @property
     def is_serving(self) -> bool:
@@ -159,10 +183,7 @@ async def check_replica(
             problem = f"/health answered {response.status}"
     except (aiohttp.ClientError, TimeoutError) as exc:
         problem = f"/health failed: {type(exc).__name__} {exc}".strip()
-    if replica.is_started:  # a replica still starting is expected to fail
-        pool.eject(replica, problem)
-    else:
-        replica.last_problem = problem
+    pool.record_failed_check(replica, problem)
     return False
 
 
@@ -171,5 +192,6 @@ async def health_loop(
 ) -> None:
     """Check every replica concurrently each `interval` seconds, forever (cancel to stop)."""
     while True:
-        await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in pool.replicas))
+        checked = [r for r in pool.replicas if not r.is_retired]
+        await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in checked))
         await asyncio.sleep(interval)

@@ -2,7 +2,8 @@
 
 Bodies stream both ways in chunks as they arrive; nothing is buffered whole. `/health` and
 `/metrics` are the proxy's own (aggregated); every other path is forwarded to one replica with
-its headers (`Authorization` included, so vLLM's `--api-key` keeps working).
+its headers. With API keys every path but `/health` (and `/metrics` when public) needs one,
+checked here before anything is forwarded (`serve/auth.py`).
 
 Failures: a request whose connection could not be opened (nothing sent) is retried once on
 another replica; once sent it is never retried. A replica that fails before answering gives the
@@ -10,6 +11,10 @@ client 502 (504 on a timeout); one that fails mid-stream ends an event stream wi
 event (what vLLM itself sends) and drops any other response's connection, so a client never
 mistakes a cut body for a whole one. A client that disconnects cancels its handler, which closes
 the upstream connection, so vLLM aborts the request and frees its slot.
+
+Stopping (`stop_accepting`, `drain`, `stop`): the listening socket closes and kept-alive
+connections close after their current response; requests in flight carry on until their replica
+ends them or the caller's deadline passes; whatever is left is then cancelled.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
+from vllm_aot.serve.auth import ApiKeys, authentication
 from vllm_aot.serve.metrics import merge_expositions
 from vllm_aot.serve.pool import ReplicaPool, ReplicaState, health_loop
 
@@ -44,6 +50,9 @@ HOP_BY_HOP = frozenset(
     )
 )
 REPLICA_HEADER = "X-Vllm-Aot-Replica"
+# How long requests still in flight get to end once their replica is gone, and cancelled
+# handlers to close their connections, when the proxy stops.
+CANCEL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class ProxyConfig:
     read_timeout: float = 600.0  # seconds a replica may stay silent (before or between chunks)
     health_interval: float = 2.0  # seconds between health-check rounds
     health_timeout: float = 2.0
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the proxy checks no key
+    is_metrics_public: bool = False  # /metrics without a key even when keys are required
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "connect_timeout", "read_timeout", "health_interval"):
@@ -103,6 +114,8 @@ class Proxy:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._in_flight: set[asyncio.Task] = set()  # forward() handlers running now
+        self.is_stopping = False
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -112,13 +125,21 @@ class Proxy:
                 total=None, sock_connect=self.config.connect_timeout, sock_read=None
             ),
         )
-        app = web.Application()
+        public = [self.handle_health]
+        if self.config.is_metrics_public:
+            public.append(self.handle_metrics)
+        keys = self.config.api_keys
+        middlewares = [authentication(keys, public)] if keys.is_required else []
+        app = web.Application(middlewares=middlewares)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_route("*", "/{tail:.*}", self.forward)
         # handler_cancellation: a client that goes away cancels its handler at once, even while
-        # the replica is silent (prefill), instead of at the next write.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # the replica is silent (prefill), instead of at the next write. shutdown_timeout: stop()
+        # comes after drain(), so whatever is still running then is cancelled promptly.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_SECONDS
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         self._health_task = asyncio.create_task(
@@ -130,13 +151,36 @@ class Proxy:
             )
         )
 
-    async def stop(self) -> None:
+    async def stop_accepting(self) -> None:
+        """Close the listening socket and idle kept-alive connections; new requests that still
+        arrive on a busy connection get 503. Health checks stop. Requests in flight go on."""
+        self.is_stopping = True
         if self._health_task:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         if self._runner:
+            for site in list(self._runner.sites):
+                await site.stop()
+            if self._runner.server:
+                self._runner.server.pre_shutdown()
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the requests in flight to end; returns how many remain."""
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=timeout)
+        return len(self._in_flight)
+
+    async def stop(self) -> None:
+        """Stop accepting, cancel what is still in flight (its upstream connections close, so
+        the replicas abort those requests), close everything. Safe to call twice."""
+        await self.stop_accepting()
+        for task in self._in_flight:
+            task.cancel()
+        await self.drain(timeout=CANCEL_SECONDS)
+        if self._runner:
             await self._runner.cleanup()
+            self._runner = None
         if self._session:
             await self._session.close()
 
@@ -164,6 +208,16 @@ class Proxy:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         """Send `request` to the least-loaded healthy replica and stream its answer back."""
+        if self.is_stopping:
+            return _error(503, "the server is shutting down", headers={"Connection": "close"})
+        task = asyncio.current_task()
+        self._in_flight.add(task)
+        try:
+            return await self._forward(request)
+        finally:
+            self._in_flight.discard(task)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return _error(413, f"request body of {request.content_length} bytes exceeds {limit}")
@@ -238,6 +292,8 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as exc:
             replica.num_errors += 1
             message = f"replica {replica.index} failed mid-response: {type(exc).__name__} {exc}"
+            if self.is_stopping:
+                message += " (the server is shutting down)"
             logger.warning(message)
             if upstream.content_type != "text/event-stream":
                 # No in-band way to say "cut short": drop the connection instead of ending it.

@@ -8,15 +8,20 @@ replica also gets `PR_SET_PDEATHSIG` = SIGTERM, so even a SIGKILLed manager take
 
 Restarts: a replica that exits after start-up is ejected at once and restarted on the same port
 after a backoff (1, 2, 4 … up to 30 s); the failure count resets once it passes /health again.
-After `max_restarts` failures in a row it stays down. A replica that exits during start-up is
-not restarted: start-up fails fast and stops every replica.
+A replica that stays up but fails every health check for `hang_timeout` s (stopped, deadlocked,
+its engine gone), or a restarted one not healthy within `start_timeout` s, is SIGKILLed with its
+descendants and goes the same way. After `max_restarts` failures in a row it stays down. A
+replica that exits during the first start-up is not restarted: start-up fails fast and stops
+every replica.
+
+Nothing here blocks the event loop: signals are sent at once, and waiting for processes to exit
+(psutil's polling) runs in a worker thread, so the proxy keeps answering meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -31,8 +36,8 @@ import psutil
 from vllm_aot.processes import parent_death_signal
 from vllm_aot.serve.pool import ReplicaPool
 
-logger = logging.getLogger(__name__)
-STOP_GRACE_SECONDS = 10.0
+STOP_GRACE_SECONDS = 10.0  # SIGTERM -> SIGKILL when serving stops
+ORPHAN_GRACE_SECONDS = 2.0  # SIGTERM -> SIGKILL for what a dead replica left behind
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,15 @@ class RestartPolicy:
     max_restarts: int = 3  # consecutive failures before a replica is left down; 0 = never
     initial_backoff: float = 1.0
     max_backoff: float = 30.0
+    start_timeout: float = 900.0  # s from a (re)start to its first passing /health
+    hang_timeout: float = 30.0  # s a started replica may fail /health in a row before a kill
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be 0 or more, got {self.max_restarts}")
+        for name in ("initial_backoff", "max_backoff", "start_timeout", "hang_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def backoff(self, num_failures: int) -> float:
         return min(self.initial_backoff * 2 ** (num_failures - 1), self.max_backoff)
@@ -82,28 +96,41 @@ def _pin_and_tie(cores: tuple[int, ...]) -> Callable[[], None]:
     return preexec
 
 
-def _signal_all(processes: list[psutil.Process], *, grace: float) -> None:
-    """SIGTERM `processes`, wait up to `grace` s, SIGKILL the rest and reap them."""
-    alive = [p for p in processes if p.is_running()]
-    for process in alive:
+def _send(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(alive, timeout=grace)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
+            process.send_signal(signum)  # psutil refuses a pid reused by another process
 
 
-def _stop_trees(trees: list[list[psutil.Process]], *, grace: float) -> None:
-    """Stop each tree's root (a vLLM server stops its own engine on SIGTERM), then whatever
-    descendants outlived it."""
-    _signal_all([tree[0] for tree in trees if tree], grace=grace)
-    _signal_all([p for tree in trees for p in tree[1:]], grace=2.0)
+def _is_alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _stop_trees(trees: list[list[psutil.Process]], *, grace: float) -> list[int]:
+    """SIGTERM every tree's root at once (a vLLM server stops its own engine) and wait for them;
+    then SIGTERM the descendants that outlived their root; SIGKILL whatever is left `grace` s
+    after the start (descendants get at most `ORPHAN_GRACE_SECONDS` of it); reap. Returns the
+    indices of the trees that needed a SIGKILL. Blocks: call it from a worker thread."""
+    deadline = time.monotonic() + grace
+    roots = [tree[0] for tree in trees if tree]
+    _send(roots, signal.SIGTERM)
+    psutil.wait_procs(roots, timeout=grace)
+    descendants = [p for tree in trees for p in tree[1:] if _is_alive(p)]
+    _send(descendants, signal.SIGTERM)
+    left = max(0.0, min(ORPHAN_GRACE_SECONDS, deadline - time.monotonic()))
+    psutil.wait_procs(descendants, timeout=left)
+    alive = {(i, p) for i, tree in enumerate(trees) for p in tree if _is_alive(p)}
+    _send([p for _, p in alive], signal.SIGKILL)
+    psutil.wait_procs([p for _, p in alive], timeout=5)
+    return sorted({i for i, _ in alive})
 
 
 class ReplicaManager:
-    """Owns the replica processes; tells `pool` when one exits. Drive it from one event loop."""
+    """Owns the replica processes; tells `pool` when one exits or hangs. Drive it from one
+    event loop; none of its coroutines blocks it."""
 
     def __init__(
         self,
@@ -116,6 +143,8 @@ class ReplicaManager:
         self.specs, self.pool, self.policy, self.log_dir = specs, pool, policy, log_dir
         self._processes: list[subprocess.Popen | None] = [None] * len(specs)
         self._trees: list[list[psutil.Process]] = [[] for _ in specs]
+        self._spawned_at = [0.0] * len(specs)
+        self._kill_reasons: list[str | None] = [None] * len(specs)  # why we SIGKILLed it
         self._failures = [0] * len(specs)
         self._restart_at: list[float | None] = [None] * len(specs)
         self.num_restarts = 0
@@ -139,19 +168,18 @@ class ReplicaManager:
                 output.close()  # the child holds its own descriptor
         self._processes[index] = process
         self._trees[index] = [psutil.Process(process.pid)]
-        print(
-            f"vllm-aot serve: replica {index} (pid {process.pid}) on cores "
-            f"{list(spec.cores)}, {spec.url}",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._spawned_at[index] = time.monotonic()
+        self._kill_reasons[index] = None
+        _say(f"replica {index} (pid {process.pid}) on cores {list(spec.cores)}, {spec.url}")
 
     def start_all(self) -> None:
         for index in range(len(self.specs)):
             self._spawn(index)
 
-    async def wait_started(self, timeout: float) -> None:
-        """Return once every replica passed /health (the proxy's checks); fail fast on an exit."""
+    async def wait_started(self) -> None:
+        """Return once every replica passed /health (the proxy's checks); fail fast on an exit,
+        TimeoutError after the policy's `start_timeout`."""
+        timeout = self.policy.start_timeout
         deadline = time.monotonic() + timeout
         while not all(r.is_started for r in self.pool.replicas):
             for index, process in enumerate(self._processes):
@@ -178,21 +206,24 @@ class ReplicaManager:
                 children = root.children(recursive=True)
                 self._trees[index] += [p for p in children if p.pid not in known]
 
-    async def watch(self, stop: asyncio.Event) -> None:
-        """Until `stop` is set: notice exits, eject, restart on schedule. Returns early (with
-        `stop` unset) when every replica is down for good."""
+    async def watch(self) -> None:
+        """Notice exits and hangs, eject, restart on schedule; returns when every replica is
+        down for good. Cancel it to stop watching."""
         tick = 0
-        while not stop.is_set():
+        while True:
             now = time.monotonic()
             for index, process in enumerate(self._processes):
+                replica = self.pool.replicas[index]
                 if process is None:
                     if self._restart_at[index] is not None and now >= self._restart_at[index]:
                         self._restart_at[index] = None
                         self.num_restarts += 1
                         self._spawn(index)
                 elif process.poll() is not None:
-                    self._on_exit(index, process.returncode, now)
-                elif self.pool.replicas[index].is_started:
+                    await self._on_exit(index, process.returncode)
+                elif (hang := self._hang(index, now)) is not None:
+                    self._kill(index, hang)
+                elif replica.is_started and replica.failing_since is None:
                     self._failures[index] = 0
             if all(
                 p is None and t is None
@@ -202,32 +233,71 @@ class ReplicaManager:
             tick += 1
             if tick % 5 == 0:
                 self._snapshot_trees()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.2)
+            await asyncio.sleep(0.2)
 
-    def _on_exit(self, index: int, code: int, now: float) -> None:
-        reason = f"process exited with code {code}"
+    def _hang(self, index: int, now: float) -> str | None:
+        """Why replica `index` (alive) counts as hung, or None: failing /health for
+        `hang_timeout` s since it started, or not started `start_timeout` s after a restart."""
+        replica = self.pool.replicas[index]
+        if self._kill_reasons[index] is not None:
+            return None  # already killed; its exit is noticed on the next tick
+        if replica.is_started:
+            since, limit = replica.failing_since, self.policy.hang_timeout
+            what, detail = "failed every health check", f" ({replica.last_problem})"
+        else:
+            since, limit = self._spawned_at[index], self.policy.start_timeout
+            what, detail = "did not pass a health check since its start", ""
+        if since is None or now - since < limit:
+            return None
+        return f"{what} for {now - since:.0f} s{detail}"
+
+    def _kill(self, index: int, reason: str) -> None:
+        """SIGKILL replica `index` and its descendants (signals only; the exit is handled by
+        `watch` like any other)."""
+        self._snapshot_trees()
+        self._kill_reasons[index] = reason
+        _say(f"replica {index} (pid {self._processes[index].pid}) {reason}; killing it")
+        _send(self._trees[index], signal.SIGKILL)
+
+    async def _on_exit(self, index: int, code: int) -> None:
+        killed = self._kill_reasons[index]
+        reason = f"killed after it {killed}" if killed else f"process exited with code {code}"
         self.pool.mark_restarting(index, reason)
-        _stop_trees([self._trees[index]], grace=2.0)  # orphans of the dead server (engine core)
         self._processes[index] = None
         self._failures[index] += 1
         if self._failures[index] > self.policy.max_restarts:
             message = f"{reason}; {self._failures[index] - 1} restarts failed, leaving it down"
-            self.pool.replicas[index].last_problem = message
+            self.pool.retire(index, message)
         else:
             delay = self.policy.backoff(self._failures[index])
-            self._restart_at[index] = now + delay
+            self._restart_at[index] = time.monotonic() + delay
             message = f"{reason}; restarting in {delay:.0f} s"
-        print(f"vllm-aot serve: replica {index} {message}", file=sys.stderr, flush=True)
+        _say(f"replica {index} {message}")
+        # Orphans of the dead server (its engine core), in a thread: psutil's waits block.
+        tree = self._trees[index]
+        await asyncio.to_thread(_stop_trees, [tree], grace=ORPHAN_GRACE_SECONDS)
 
-    def stop_all(self, grace: float = STOP_GRACE_SECONDS) -> None:
-        """SIGTERM every replica, wait up to `grace` s in all, SIGKILL what is left (their
-        descendants included). Safe to call twice; blocks."""
+    async def stop_all(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM every replica at once, SIGKILL what is left `grace` s later (descendants
+        included), reap. Waits in a worker thread; safe to call twice."""
         self._snapshot_trees()
         self._restart_at = [None] * len(self.specs)
-        _stop_trees(self._trees, grace=grace)
-        for process in self._processes:
-            if process is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(1)  # reap, so no zombie outlives us
+        processes = [p for p in self._processes if p is not None]
+        killed = await asyncio.to_thread(_stop_and_reap, self._trees, processes, grace)
         self._processes = [None] * len(self.specs)
+        if killed:
+            _say(f"replicas {killed} (or their engines) outlived SIGTERM by {grace:.0f} s: killed")
+
+
+def _stop_and_reap(
+    trees: list[list[psutil.Process]], processes: list[subprocess.Popen], grace: float
+) -> list[int]:
+    killed = _stop_trees(trees, grace=grace)
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(1)  # reap, so no zombie outlives us
+    return killed
+
+
+def _say(message: str) -> None:
+    print(f"vllm-aot serve: {message}", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ flag given, it also brings its block size, chunk and bucket sets), else the plat
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,18 +68,35 @@ class ChosenConfig:
         return "configuration:\n" + "\n".join(f"  {line}" for line in self.reasons)
 
 
+def _is_flag(name: str, flag: str) -> bool:
+    return name.startswith("--") and name.replace("_", "-") == flag
+
+
 def flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
     """The last value of `--flag v` / `--flag=v` in vLLM-style args (underscores allowed)."""
     value = None
     for i, arg in enumerate(args):
         name, eq, inline = arg.partition("=")
-        if not name.startswith("--") or name.replace("_", "-") != flag:
+        if not _is_flag(name, flag):
             continue
         if eq:
             value = inline
         elif i + 1 < len(args):
             value = args[i + 1]
     return value
+
+
+def flag_values(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...] | None:
+    """The values of the last `--flag a b ...` / `--flag=a`: a vLLM list flag (nargs="+", the
+    last occurrence wins, values run up to the next option)."""
+    values = None
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if not _is_flag(name, flag):
+            continue
+        following = itertools.takewhile(lambda a: not a.startswith("-"), args[i + 1 :])
+        values = (inline,) if eq else tuple(following)
+    return values
 
 
 def without_flag(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...]:
@@ -90,7 +108,7 @@ def without_flag(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...
             skip_next = False
             continue
         name, eq, _ = arg.partition("=")
-        if name.startswith("--") and name.replace("_", "-") == flag:
+        if _is_flag(name, flag):
             skip_next = not eq
             continue
         kept.append(arg)

@@ -1,0 +1,232 @@
+"""`vllm-aot serve`'s proxy and replica manager as processes, over fake replicas (no vLLM):
+SIGTERM with streams in flight, a crashed replica reaped without stalling the proxy, a hung
+replica killed and restarted, a restart that never becomes healthy. Nothing is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from vllm_aot.testing import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def is_gone(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+@dataclass
+class Served:
+    """A `serve_replicas` process over fake replicas, and everything it ever started."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def descendants(self) -> list[psutil.Process]:
+        found = psutil.Process(self.process.pid).children(recursive=True)
+        self.seen.update({p.pid: p for p in found})
+        return found
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def replica_process(self, index: int) -> psutil.Process:
+        port = self.health()["replicas"][index]["url"].rsplit(":", 1)[1]
+        return next(p for p in self.descendants() if port in p.cmdline())
+
+    def all_gone(self) -> bool:
+        return all(is_gone(p) for p in self.seen.values())
+
+    def stop(self, timeout: float = 30) -> float:
+        """SIGTERM serve (everything it started noted first); its exit code must be 0. Returns
+        the seconds it took."""
+        self.descendants()
+        start = time.monotonic()
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout) == 0
+        return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def fake_serve(tmp_path: Path, **config):
+    config = {"port": free_port(), **config}
+    (tmp_path / "serve.json").write_text(json.dumps(config))
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.serve_fakes", "serve", str(tmp_path / "serve.json")],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    served = Served(f"http://127.0.0.1:{config['port']}", process, log)
+    try:
+        wait_healthy(served.url, process, timeout=60)
+        wait_for(lambda: len(served.descendants()) >= 2, 10, "both replicas up")
+        yield served
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            served.descendants()
+        process.kill()
+        process.wait()
+        for leftover in served.seen.values():  # only when a test failed midway
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()
+
+
+def stream_events(url: str, payloads: list[str], started: threading.Event) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/stream", timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line.removeprefix("data: "))
+                    started.set()
+    except httpx.HTTPError as exc:
+        payloads.append(f"transport error: {exc!r}")
+
+
+@pytest.mark.parametrize("on_sigterm", ["exit", "ignore"])
+def test_sigterm_with_16_streams_in_flight_stops_within_the_grace(tmp_path, on_sigterm):
+    grace = 3.0
+    replica_args = ["--on-sigterm", on_sigterm, "--engine"]
+    with fake_serve(tmp_path, replica_args=replica_args, stop_grace=grace) as served:
+        wait_for(lambda: len(served.descendants()) == 4, 10, "two replicas and their engines")
+        streams = [([], threading.Event()) for _ in range(16)]
+        threads = [
+            threading.Thread(target=stream_events, args=(served.url, payloads, started))
+            for payloads, started in streams
+        ]
+        for thread in threads:
+            thread.start()
+        for _, started in streams:
+            assert started.wait(30), "a stream got no first event"
+        elapsed = served.stop(timeout=grace + 30)
+        for thread in threads:
+            thread.join(10)
+        assert elapsed < grace + 2.5, f"stopped after {elapsed:.1f} s (grace {grace} s)"
+        assert served.all_gone(), "a replica or engine outlived serve"
+        for payloads, _ in streams:  # every stream told in-band that it was cut short
+            assert '"error"' in payloads[-1] and "shutting down" in payloads[-1], payloads[-1]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{served.url}/health", timeout=5)
+        assert "all replicas stopped" in served.log.read_text()
+
+
+def test_reaping_a_crashed_replica_does_not_stall_the_proxy(tmp_path):
+    with fake_serve(tmp_path, replica_args=["--engine"]) as served:
+        victim = served.replica_process(1)
+        engine = victim.children()[0]  # ignores SIGTERM: reaping it takes the orphan grace
+        victim.kill()
+        latencies = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+            latencies.append(time.monotonic() - start)
+        assert max(latencies) < 1.0, f"/health took {max(latencies):.1f} s during the reaping"
+        wait_for(lambda: is_gone(engine), 10, "the orphaned engine killed")
+        wait_for(lambda: served.health()["replicas"][1]["healthy"], 30, "replica 1 restarted")
+        assert served.replica_process(1).pid != victim.pid
+        assert "replica 1 process exited with code -9; restarting in 1 s" in served.log.read_text()
+
+
+@dataclass
+class Load:
+    """Worker threads sending small requests until stopped: (time, status, replica) each."""
+
+    url: str
+    num_workers: int = 4
+    results: list[tuple[float, int, str | None]] = field(default_factory=list)
+    is_stopped: threading.Event = field(default_factory=threading.Event)
+
+    def work(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self.is_stopped.is_set():
+                response = client.post("/v1/echo", content=b"x")
+                replica = response.headers.get("x-vllm-aot-replica")
+                self.results.append((time.monotonic(), response.status_code, replica))
+
+    def __enter__(self) -> Load:
+        self.threads = [threading.Thread(target=self.work) for _ in range(self.num_workers)]
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.is_stopped.set()
+        for thread in self.threads:
+            thread.join(30)
+
+    def served_by(self, replica: str, after: float) -> int:
+        return sum(1 for t, s, r in self.results if r == replica and s == 200 and t > after)
+
+
+def test_a_hung_replica_under_load_is_killed_and_restarted(tmp_path):
+    policy = {"hang_timeout": 2.0}
+    with fake_serve(tmp_path, replica_args=["--engine"], policy=policy) as served:
+        victim = served.replica_process(1)
+        engine = victim.children()[0]
+        with Load(served.url) as load:
+            wait_for(lambda: load.served_by("1", 0) > 10, 10, "load on both replicas")
+            victim.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            wait_for(lambda: is_gone(victim), 2.0 + 10, "the hung replica killed")
+            killed_at = time.monotonic()
+            wait_for(lambda: is_gone(engine), 5, "its engine killed")
+            wait_for(lambda: load.served_by("1", killed_at) > 10, 30, "replica 1 back in service")
+        # Replica 0 served throughout; only the requests stuck on the hung replica failed.
+        assert load.served_by("0", stopped_at + 1.0) > 10
+        failed = [(s, r) for t, s, r in load.results if s != 200]
+        assert len(failed) <= load.num_workers
+        assert all(s == 502 for s, _ in failed), failed
+        text = served.log.read_text()
+        assert f"replica 1 (pid {victim.pid}) failed every health check" in text
+        assert "replica 1 killed after it failed every health check" in text
+        assert "restarting in 1 s" in text
+        served.stop()
+        assert served.all_gone()
+
+
+def test_a_restart_that_never_becomes_healthy_is_killed_then_left_down(tmp_path):
+    policy = {"start_timeout": 5.0, "max_restarts": 1}
+    sick_files = str(tmp_path / "sick-{port}")
+    with fake_serve(tmp_path, replica_args=["--sick-file", sick_files], policy=policy) as served:
+        port = served.health()["replicas"][1]["url"].rsplit(":", 1)[1]
+        Path(sick_files.format(port=port)).touch()  # replica 1's next process answers 503
+        served.replica_process(1).kill()
+        wait_for(lambda: "leaving it down" in served.log.read_text(), 30, "replica 1 given up")
+        text = served.log.read_text()
+        assert "did not pass a health check since its start for 5 s; killing it" in text
+        assert "killed after it did not pass a health check" in text
+        assert "1 restarts failed, leaving it down" in text
+        report = served.health()  # replica 0 serves on
+        assert report["status"] == "ok" and not report["replicas"][1]["healthy"]
+        assert "leaving it down" in report["replicas"][1]["problem"]
+        served.stop()
+        assert served.all_gone()
