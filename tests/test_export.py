@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
+from vllm_aot.cache.keys import cpu_target
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+from vllm_aot.kernels import program_kernels
 from vllm_aot.loading.artifacts import (
     MANIFEST_NAME,
     ArtifactMismatchError,
     export_model,
+    read_manifest,
 )
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
@@ -112,6 +115,45 @@ def test_loading_an_artifact_from_another_torch_is_refused(exported, tmp_path):
     manifest["torch_version"] = "1.0.0"
     (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ArtifactMismatchError, match=r"torch 1\.0\.0 \(this is 2\.13"):
+        load_model(copy)
+
+
+def _edited_copy(exported, tmp_path, **changes):
+    out, _ = exported
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    (copy / MANIFEST_NAME).write_text(json.dumps({**manifest, **changes}))
+    return copy
+
+
+def test_the_manifest_names_the_cpu_target_and_kernels(exported):
+    out, _ = exported
+    manifest = read_manifest(out)
+    assert manifest["cpu_target"] == cpu_target()
+    assert manifest["kernels"] == program_kernels(torch.float32)
+
+
+def test_an_artifact_for_another_cpu_target_is_refused_before_anything_loads(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, cpu_target="x86_64-avx512")
+    expected = rf"CPU target x86_64-avx512 and this machine is {cpu_target()}.*Re-export"
+    with pytest.raises(ArtifactMismatchError, match=expected):
+        read_manifest(copy)  # what serve's front end reads first
+    with pytest.raises(ArtifactMismatchError, match=expected):
+        load_model(copy)
+
+
+def test_an_artifact_calling_other_kernels_is_refused(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, kernels={"linear": "aten", "attention": "torch"})
+    if program_kernels(torch.float32) == {"linear": "aten", "attention": "torch"}:
+        pytest.skip("this machine runs no kernels")
+    with pytest.raises(ArtifactMismatchError, match=r"call the kernels .* Re-export"):
+        load_model(copy)
+
+
+def test_an_artifact_of_the_format_before_cpu_targets_is_refused(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, format=1)
+    with pytest.raises(ArtifactMismatchError, match=r"artifact format 1 \(this is 2\)"):
         load_model(copy)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.files import write_json_atomic
+from vllm_aot.files import file_sha256, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +41,6 @@ OWNER_FILE = "owner.json"
 
 class CacheLockTimeout(TimeoutError):
     """Another process held a key's lock for longer than we were willing to wait."""
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def pid_alive(pid: int) -> bool:

@@ -9,12 +9,19 @@ from pathlib import Path
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 
 
-def resolve_model(name: str | None) -> Path:
-    """A model argument -> HF directory: a path, or the bundled default (prepared on first use)."""
+def resolve_model(name: str | None, *, remote_url: str | None = None, upload: bool = False) -> Path:
+    """A model argument -> HF directory: a path, or the bundled default (prepared on first use:
+    fetched from the remote store when it has it, else converted; uploaded with `upload`)."""
     if name in (None, "", DEFAULT_MODEL_NAME, "default"):
-        from vllm_aot.models.prepare import prepare_default_model
+        from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+        from vllm_aot.loading.prebuilt import bundled_model
 
-        return prepare_default_model()
+        settings = CacheSettings.from_env(remote_url=remote_url, upload=upload or None)
+        model_dir, origin = bundled_model(ProgramCache(settings))
+        if origin != "local":
+            how = {"remote": f"fetched from {settings.remote_url}", "converted": "converted"}
+            print(f"{DEFAULT_MODEL_NAME}: {how[origin]} into {model_dir}", flush=True)
+        return model_dir
     path = Path(name).expanduser()
     if not path.is_dir():
         raise SystemExit(

@@ -78,6 +78,7 @@ def cmd_cleanup(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_sync(args: argparse.Namespace, console: Console) -> int:
     from vllm_aot.cache.admin import sync
+    from vllm_aot.loading.prebuilt import sync_artefacts
 
     push = args.direction in ("push", "both")
     pull = args.direction in ("pull", "both")
@@ -87,6 +88,11 @@ def cmd_sync(args: argparse.Namespace, console: Console) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     console.print(f"{cache.remote.url}: pushed {pushed} programs, pulled {pulled}")
+    pushed, pulled = sync_artefacts(cache, push=push, pull=pull)
+    console.print(
+        f"{cache.remote.url}: pushed {pushed} start-up artefacts (kernels library, bundled "
+        f"model), pulled {pulled}"
+    )
     return 0
 
 

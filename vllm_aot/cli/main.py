@@ -24,10 +24,13 @@ from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 def cmd_models(args: argparse.Namespace) -> int:
     from vllm_aot.models.registry import supported_architectures
 
-    if args.action == "prepare":
+    if args.action == "prepare" and args.force:
         from vllm_aot.models.prepare import prepare_default_model
 
-        print(prepare_default_model(force=args.force))
+        print(prepare_default_model(force=True))
+        return 0
+    if args.action == "prepare":
+        print(resolve_model(None))
         return 0
     print("supported architectures:", ", ".join(supported_architectures()))
     print(f"bundled model: {DEFAULT_MODEL_NAME} (prepare it with `vllm-aot models prepare`)")
@@ -38,7 +41,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vllm_aot.loading.artifacts import export_model
 
     config = config_from_args(args)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, remote_url=args.remote_cache, upload=args.cache_upload)
     if args.compile_only:
         return _compile_only(model_dir, config, args)
     if args.output is None:
@@ -127,7 +130,8 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     --data-parallel-size); unknown flags go to vLLM unchanged."""
     from vllm_aot.serve.launch import run_serve
 
-    return run_serve(args, vllm_args, resolve_model(args.model))
+    model_dir = resolve_model(args.model, remote_url=args.remote_cache, upload=args.cache_upload)
+    return run_serve(args, vllm_args, model_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
