@@ -32,7 +32,7 @@ from rich.table import Table
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
 from vllm_aot.testing import (
-    built_kernels_here,
+    built_here,
     free_port,
     fresh_home_env,
     running_server,
@@ -67,9 +67,7 @@ def start_ours(name: str, env: dict[str, str], log_dir: Path, home: Path | None 
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
             metrics = response.read().decode()
     text = log.read_text(errors="replace")
-    made = []  # only a fresh home says: the other starts share this machine's kernels and model
-    if home is not None and built_kernels_here(home):
-        made.append("kernels")
+    made = built_here(home) if home is not None else []  # only a fresh home tells
     if home is not None and f"{DEFAULT_MODEL_NAME}: converted" in text:
         made.append("model")
     return Start(

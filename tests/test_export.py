@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.sampler import SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 # One bucket of each kind: four programs, about a minute of compile on two cores.
 COMPILED = dict(
     backend="inductor",
@@ -155,6 +160,14 @@ def test_an_artifact_of_the_format_before_cpu_targets_is_refused(exported, tmp_p
     copy = _edited_copy(exported, tmp_path, format=1)
     with pytest.raises(ArtifactMismatchError, match=r"artifact format 1 \(this is 2\)"):
         load_model(copy)
+
+
+def test_loading_an_export_compiles_nothing_not_even_an_isa_probe(exported, tmp_path):
+    out, _ = exported
+    script = f"from vllm_aot.loading.startup import load_model; load_model({str(out)!r})"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    assert not list(tmp_path.rglob("*.so")), "loading compiled Inductor's ISA probe"
 
 
 def test_an_incomplete_export_is_not_loadable(exported, tmp_path):

@@ -44,8 +44,9 @@ def installed() -> Path:
 
 @pytest.fixture
 def store(tmp_path, monkeypatch) -> ProgramCache:
-    """A cache whose remote store is a shared directory; no bundled model on either side."""
+    """A cache whose remote store is a shared directory; no bundled model or vLLM records."""
     monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "no-models"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "no-vllm-cache"))
     url = f"file://{tmp_path / 'store'}"
     return ProgramCache(CacheSettings(root=tmp_path / "compiled", remote_url=url))
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +23,14 @@ from vllm_aot.loading import prebuilt
 from vllm_aot.models import prepare
 from vllm_aot.runtime.programs import all_program_keys
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(autouse=True)
 def empty_cache_root(tmp_path, monkeypatch) -> None:
-    """No kernels library or model from this machine's own caches."""
+    """No kernels library, model or vLLM records from this machine's own caches."""
     monkeypatch.setenv("VLLM_AOT_CACHE_DIR", str(tmp_path / "cache-root"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +117,19 @@ def test_an_interrupted_conversion_leaves_nothing_that_looks_prepared(tmp_path, 
     assert not target.exists() and not list(target.parent.glob(".*"))
 
 
+def test_vllms_model_records_travel_through_the_store(tmp_path, monkeypatch):
+    record = '{"hash": "d0", "modelinfo": {"architecture": "LlamaForCausalLM"}}'
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-here"))
+    made = tmp_path / "vllm-here" / "modelinfos" / "vllm-model_executor-models-llama.json"
+    made.parent.mkdir(parents=True)
+    made.write_text(record)
+    assert prebuilt.ensure_model_infos(cache_for(tmp_path, upload=True)) == "local"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-fresh"))
+    assert prebuilt.ensure_model_infos(cache_for(tmp_path)) == "remote"
+    fetched = tmp_path / "vllm-fresh" / "modelinfos" / made.name
+    assert fetched.read_text() == record
+
+
 # -- the CPU target of compiled programs -----------------------------------------------------------
 
 
@@ -147,3 +167,16 @@ def test_cache_entries_record_their_cpu_target_and_another_targets_are_never_fou
     assert set(outcome.sources.values()) == {"remote"}
     for key in fresh.local.entry_keys():
         assert fresh.local.read_meta(key)["fingerprint"]["target"] == here
+
+
+def test_the_cpu_target_is_inductors_pick_without_compiling_a_probe(tmp_path):
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    probed = f"{platform.machine()}-{pick_vec_isa() or 'novec'}"  # Inductor's own, with g++
+    script = "from vllm_aot.cache.keys import cpu_target; print(cpu_target())"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == probed
+    assert not list(tmp_path.rglob("*.so")), "computing the target compiled a probe"

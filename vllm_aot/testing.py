@@ -114,7 +114,14 @@ def fresh_home_env(home: Path, remote_url: str) -> dict[str, str]:
     }
 
 
-def built_kernels_here(home: Path) -> bool:
-    """Whether a start under `fresh_home_env(home, ...)` built the kernels library rather than
-    fetching it: a build leaves torch's build files beside the library."""
-    return any((Path(home) / ".cache" / "vllm-aot" / "kernels").glob("*/build.ninja"))
+def built_here(home: Path) -> list[str]:
+    """What a start under `fresh_home_env(home, ...)` compiled with the machine's compiler rather
+    than fetching: the kernels library (a build leaves torch's build files beside it) and
+    Inductor's ISA probes (small libraries in its cache)."""
+    cache = Path(home) / ".cache"
+    built = []
+    if any((cache / "vllm-aot" / "kernels").glob("*/build.ninja")):
+        built.append("kernels")
+    if any((cache / "torchinductor").rglob("*.so")):
+        built.append("ISA probes")
+    return built

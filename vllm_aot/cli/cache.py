@@ -91,7 +91,7 @@ def cmd_sync(args: argparse.Namespace, console: Console) -> int:
     pushed, pulled = sync_artefacts(cache, push=push, pull=pull)
     console.print(
         f"{cache.remote.url}: pushed {pushed} start-up artefacts (kernels library, bundled "
-        f"model), pulled {pulled}"
+        f"model, vLLM's model records), pulled {pulled}"
     )
     return 0
 

@@ -1,10 +1,13 @@
-"""What a start needs besides programs, from the cheapest place that has it: the kernels library
-and the bundled model, present on this machine, else fetched from the remote store, else built
-(the kernels, ~20 s) or converted (the model) here.
+"""What a start needs besides programs, from the cheapest place that has it: the kernels library,
+the bundled model and vLLM's records of inspected model classes, present on this machine, else
+fetched from the remote store, else built (the kernels, ~20 s), converted (the model) or left to
+vLLM (which inspects a model class in a fresh interpreter, ~10 s).
 
 They are named in the store by what they are: `artefacts/kernels/<build digest>` (the library
-and its record; `kernels.build_fingerprint`) and `artefacts/models/<prepared digest>` (the bundled
-model's HF directory; `models.prepare.prepared_digest`: its GGUF and the conversion's version).
+and its record; `kernels.build_fingerprint`), `artefacts/models/<prepared digest>` (the bundled
+model's HF directory; `models.prepare.prepared_digest`: its GGUF and the conversion's version) and
+`artefacts/vllm-modelinfos/<digest of vLLM's version>` (`VLLM_CACHE_ROOT/modelinfos`; vLLM checks
+each record against the hash of its own model file before using it).
 A fetch runs under the lock a build or conversion takes, is verified (each file's sha256 recorded
 at upload, then the library's record or the model's marker) and renamed into place whole. They
 are uploaded where programs are: by a start with uploading configured (`VLLM_AOT_CACHE_UPLOAD=1`,
@@ -13,15 +16,18 @@ are uploaded where programs are: by a start with uploading configured (`VLLM_AOT
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
 from pathlib import Path
 
 import torch
 
-from vllm_aot import kernels
+from vllm_aot import kernels, paths
 from vllm_aot.cache.artefacts import artefact_name, fetch_tree, has_tree, push_tree
 from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.cache.remote import RemoteStore
+from vllm_aot.files import exclusive_lock
 from vllm_aot.models.prepare import (
     default_model_dir,
     find_default_gguf,
@@ -40,6 +46,25 @@ def _kernels_name() -> str:
 
 def _model_name(digest: str) -> str:
     return artefact_name("models", digest)
+
+
+def _model_infos_name() -> str:
+    distributions = importlib.metadata.packages_distributions().get("vllm", ["vllm"])
+    version = f"{distributions[0]} {importlib.metadata.version(distributions[0])}"
+    return artefact_name("vllm-modelinfos", hashlib.sha256(version.encode()).hexdigest()[:16])
+
+
+def ensure_model_infos(cache: ProgramCache) -> str:
+    """vLLM's records of inspected model classes: "local" (this machine has some), "remote"
+    (fetched) or "none" (vLLM inspects the class itself). Uploaded when uploading is configured
+    and the store lacks them."""
+    directory = paths.vllm_model_infos_dir()
+    origin = "local" if any(directory.glob("*.json")) else "none"
+    if origin == "none" and cache.remote is not None and _fetch_model_infos(cache.remote):
+        origin = "remote"
+    if cache.settings.upload:
+        _push_model_infos(cache)
+    return origin
 
 
 def ensure_kernels(cache: ProgramCache, dtype: torch.dtype) -> str | None:
@@ -86,14 +111,16 @@ def bundled_model(cache: ProgramCache) -> tuple[Path, str]:
 
 
 def sync_artefacts(cache: ProgramCache, *, push: bool, pull: bool) -> tuple[int, int]:
-    """`cache sync` for the kernels library and the bundled model: push what is here and not in
-    the store, fetch what the store has and this machine lacks; returns (pushed, pulled)."""
+    """`cache sync` for the start-up artefacts: push what is here and not in the store, fetch
+    what the store has and this machine lacks; returns (pushed, pulled)."""
     if cache.remote is None:
         return 0, 0
-    pushed = _push_kernels(cache) + _push_model(cache) if push else 0
+    pushed = _push_kernels(cache) + _push_model(cache) + _push_model_infos(cache) if push else 0
     pulled = 0
     if pull and kernels.kernels_enabled() and kernels.installed_library() is None:
         pulled += _fetch_kernels(cache.remote)
+    if pull and not any(paths.vllm_model_infos_dir().glob("*.json")):
+        pulled += _fetch_model_infos(cache.remote)
     if pull and not is_prepared(default_model_dir()):
         try:
             digest = prepared_digest(find_default_gguf())
@@ -115,6 +142,18 @@ def _fetch_kernels(store: RemoteStore) -> bool:
             kernels.library_dir(),
             accept=lambda staged: kernels.whole_library(staged) is not None,
         )
+
+
+def _fetch_model_infos(store: RemoteStore) -> bool:
+    directory = paths.vllm_model_infos_dir()
+    with exclusive_lock(directory.with_name("modelinfos.lock"), what="fetching vLLM's records"):
+        return fetch_tree(store, _model_infos_name(), directory)
+
+
+def _push_model_infos(cache: ProgramCache) -> int:
+    directory = paths.vllm_model_infos_dir()
+    files = sorted(p.name for p in directory.glob("*.json") if p.is_file())
+    return _push(cache, _model_infos_name(), directory, files) if files else 0
 
 
 def _push_kernels(cache: ProgramCache) -> int:

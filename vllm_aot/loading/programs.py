@@ -3,9 +3,10 @@ report of where each came from and what it cost. `startup.py` puts them together
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,11 +150,29 @@ def load_programs(
         return {key: eager_program(key, arch, config) for key in keys}
     assert program_paths is not None, "the inductor backend loads compiled programs"
     programs = {}
-    for key in keys:
-        start = time.perf_counter()
-        programs[key] = load_program(program_paths[key], config)
-        report.loaded[key.name] = time.perf_counter() - start
+    with _without_isa_probe():
+        for key in keys:
+            start = time.perf_counter()
+            programs[key] = load_program(program_paths[key], config)
+            report.loaded[key.name] = time.perf_counter() - start
     return programs
+
+
+@contextlib.contextmanager
+def _without_isa_probe() -> Iterator[None]:
+    """torch's package loader compares the device a package was compiled for with this one only
+    to log a mismatch, and learns this CPU's vector ISA by compiling a probe program per ISA (g++,
+    seconds on a fresh machine; nothing a machine that only loads programs should need). The
+    target is already guaranteed (it is in every cache key and exported manifest), so the
+    comparison is skipped while programs load."""
+    from torch._inductor import codecache
+
+    compared = codecache.get_device_information
+    codecache.get_device_information = lambda device_type: {}
+    try:
+        yield
+    finally:
+        codecache.get_device_information = compared
 
 
 def load_weights_timed(
