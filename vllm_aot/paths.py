@@ -1,4 +1,5 @@
-"""Where vllm-aot keeps things on disk. Environment variables are read here, on demand."""
+"""Where vllm-aot keeps things on disk (and where vLLM keeps the records we carry for it).
+Environment variables are read here, on demand."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def compiled_cache_dir() -> Path:
     """The local compile cache (`VLLM_AOT_COMPILE_CACHE`, default `<cache root>/compiled`)."""
     configured = os.environ.get("VLLM_AOT_COMPILE_CACHE")
     return Path(configured).expanduser() if configured else cache_root() / "compiled"
+
+
+def vllm_model_infos_dir() -> Path:
+    """Where vLLM keeps its records of inspected model classes, by vLLM's own rule
+    (`VLLM_CACHE_ROOT`, else `XDG_CACHE_HOME/vllm`, else `~/.cache/vllm`), read without importing
+    vLLM."""
+    configured = os.environ.get("VLLM_CACHE_ROOT")
+    if configured:
+        return Path(configured).expanduser() / "modelinfos"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "vllm" / "modelinfos"

@@ -94,3 +94,34 @@ def running_server(
         stop_process(process)
         if log_path:
             log.close()
+
+
+def fresh_home_env(home: Path, remote_url: str) -> dict[str, str]:
+    """The environment of a first start on a fresh machine whose only vllm-aot state is the
+    remote store at `remote_url`: every cache (ours, HF's, vLLM's, Inductor's) under the empty
+    directory `home`."""
+    cache = Path(home) / ".cache"
+    return {
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(cache),
+        "HF_HOME": str(cache / "huggingface"),
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+        "VLLM_AOT_CACHE_DIR": str(cache / "vllm-aot"),
+        "VLLM_AOT_COMPILE_CACHE": str(cache / "vllm-aot" / "compiled"),
+        "VLLM_AOT_MODELS_DIR": str(cache / "vllm-aot" / "models"),
+        "VLLM_AOT_REMOTE_CACHE": remote_url,
+    }
+
+
+def built_here(home: Path) -> list[str]:
+    """What a start under `fresh_home_env(home, ...)` compiled with the machine's compiler rather
+    than fetching: the kernels library (a build leaves torch's build files beside it) and
+    Inductor's ISA probes (small libraries in its cache)."""
+    cache = Path(home) / ".cache"
+    built = []
+    if any((cache / "vllm-aot" / "kernels").glob("*/build.ninja")):
+        built.append("kernels")
+    if any((cache / "torchinductor").rglob("*.so")):
+        built.append("ISA probes")
+    return built

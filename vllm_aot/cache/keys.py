@@ -45,10 +45,39 @@ def digest(payload: Any, length: int = KEY_LENGTH) -> str:
 
 
 def cpu_target() -> str:
-    """The code generation target: machine and the vector ISA Inductor picks here (e.g. avx2)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    """The code generation target: machine and the vector ISA Inductor picks here (e.g. avx2).
 
-    return f"{platform.machine()}-{pick_vec_isa() or 'novec'}"
+    On x86 it is read from the CPU's features by Inductor's rule, without Inductor's compiler
+    probe (a g++ run per candidate ISA, seconds on a fresh machine): a machine that only loads
+    programs needs no compiler and builds nothing to compute a key.
+    """
+    import os
+
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"{platform.machine()}-{isa.pick_vec_isa() or 'novec'}"
+    candidates = _x86_vector_isas()
+    picked = isa.invalid_vec_isa
+    if candidates and config.cpp.simdlen is None:
+        capability = os.getenv("ATEN_CPU_CAPABILITY")
+        picked = isa.get_isa_from_cpu_capability(capability, candidates, isa.invalid_vec_isa)
+    elif candidates:
+        widths = [c for c in candidates if c.bit_width() == config.cpp.simdlen]
+        picked = widths[0] if widths else picked
+    # Never `bool(picked)`: a VecISA's truth value is the compiler probe.
+    novec = picked is isa.invalid_vec_isa
+    return f"{platform.machine()}-{'novec' if novec else str(picked)}"
+
+
+@functools.cache
+def _x86_vector_isas() -> list:
+    """Inductor's vector ISAs this CPU has, best first (`valid_vec_isa_list` without its probe)."""
+    from torch._inductor import cpu_vec_isa as isa
+
+    have = isa.x86_isa_checker()
+    return [c for c in isa.supported_vec_isa_list if all(f in have for f in str(c).split())]
 
 
 def compiler_flags() -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from typing import Any
 
 from vllm_aot.cache.keys import KEY_LENGTH
 from vllm_aot.cache.trust import is_hex_digest
-from vllm_aot.files import sync_directory, write_json_atomic
+from vllm_aot.files import file_sha256, sync_directory, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +46,6 @@ OWNER_FILE = "owner.json"
 
 class CacheLockTimeout(TimeoutError):
     """Another process held a key's lock for longer than we were willing to wait."""
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checked_key(key: str) -> str:

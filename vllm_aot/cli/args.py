@@ -9,12 +9,19 @@ from pathlib import Path
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 
 
-def resolve_model(name: str | None) -> Path:
-    """A model argument -> HF directory: a path, or the bundled default (prepared on first use)."""
+def resolve_model(name: str | None, cache=None) -> Path:
+    """A model argument -> HF directory: a path, or the bundled default (prepared on first use:
+    fetched from `cache`'s remote store when it has it, else converted; uploaded when `cache`
+    uploads; default: the cache the environment names)."""
     if name in (None, "", DEFAULT_MODEL_NAME, "default"):
-        from vllm_aot.models.prepare import prepare_default_model
+        from vllm_aot.loading.prebuilt import bundled_model
 
-        return prepare_default_model()
+        cache = cache or cache_from_args(argparse.Namespace())
+        model_dir, origin = bundled_model(cache)
+        if origin != "local":
+            how = {"remote": f"fetched from {cache.settings.remote_url}", "converted": "converted"}
+            print(f"{DEFAULT_MODEL_NAME}: {how[origin]} into {model_dir}", flush=True)
+        return model_dir
     path = Path(name).expanduser()
     if not path.is_dir():
         raise SystemExit(
@@ -108,6 +115,17 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-upload", action="store_true", help="upload what this process compiles"
     )
+
+
+def cache_from_args(args: argparse.Namespace):
+    """The compile cache `--remote-cache` and `--cache-upload` name (else the environment)."""
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+
+    settings = CacheSettings.from_env(
+        remote_url=getattr(args, "remote_cache", None),
+        upload=getattr(args, "cache_upload", False) or None,
+    )
+    return ProgramCache(settings)
 
 
 def load_from_args(args: argparse.Namespace):

@@ -92,6 +92,7 @@ def cmd_cleanup(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_sync(args: argparse.Namespace, console: Console) -> int:
     from vllm_aot.cache.admin import sync
+    from vllm_aot.loading.prebuilt import sync_artefacts
 
     push = args.direction in ("push", "both")
     pull = args.direction in ("pull", "both")
@@ -101,6 +102,11 @@ def cmd_sync(args: argparse.Namespace, console: Console) -> int:
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     console.print(f"{cache.remote.url}: pushed {pushed} programs, pulled {pulled}")
+    pushed, pulled = sync_artefacts(cache, push=push, pull=pull)
+    console.print(
+        f"{cache.remote.url}: pushed {pushed} start-up artefacts (kernels library, bundled "
+        f"model, vLLM's model records), pulled {pulled}"
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ from vllm_aot.cli.args import (
     add_cache_args,
     add_config_args,
     add_serve_args,
+    cache_from_args,
     config_from_args,
     load_from_args,
     resolve_model,
@@ -24,10 +25,13 @@ from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 def cmd_models(args: argparse.Namespace) -> int:
     from vllm_aot.models.registry import supported_architectures
 
-    if args.action == "prepare":
+    if args.action == "prepare" and args.force:
         from vllm_aot.models.prepare import prepare_default_model
 
-        print(prepare_default_model(force=args.force))
+        print(prepare_default_model(force=True))
+        return 0
+    if args.action == "prepare":
+        print(resolve_model(None))
         return 0
     print("supported architectures:", ", ".join(supported_architectures()))
     print(f"bundled model: {DEFAULT_MODEL_NAME} (prepare it with `vllm-aot models prepare`)")
@@ -38,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vllm_aot.loading.artifacts import export_model
 
     config = config_from_args(args)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, cache_from_args(args))
     if args.compile_only:
         return _compile_only(model_dir, config, args)
     if args.output is None:
@@ -56,7 +60,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
     """Fill the compile cache (and the registry) for `config`; load no weights."""
-    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
     from vllm_aot.loading.programs import (
         LoadReport,
         ProgramOptions,
@@ -67,9 +70,7 @@ def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
 
     arch = load_arch(model_dir)
     check_fits(arch, config)
-    cache = ProgramCache(
-        CacheSettings.from_env(remote_url=args.remote_cache, upload=args.cache_upload or None)
-    )
+    cache = cache_from_args(args)
     report = LoadReport()
     start = time.perf_counter()
     ensure_programs(arch, config, report, ProgramOptions(cache=cache, num_workers=args.workers))
@@ -125,9 +126,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     """vLLM's OpenAI server on our platform (N replicas behind a proxy with
     --data-parallel-size); unknown flags go to vLLM unchanged."""
+    from vllm_aot.loading.prebuilt import ensure_model_infos
     from vllm_aot.serve.launch import run_serve
 
-    return run_serve(args, vllm_args, resolve_model(args.model))
+    cache = cache_from_args(args)
+    model_dir = resolve_model(args.model, cache)
+    ensure_model_infos(cache)  # spares vLLM inspecting the model class in a fresh interpreter
+    return run_serve(args, vllm_args, model_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,23 +19,43 @@ for debugging and comparison.
 
 Each `.cpp` file here defines its ops, their CPU implementation and their shape function (a Meta
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
-folder, built on first use with the machine's C++ compiler (the one Inductor uses) into
-`<cache root>/kernels/<digest of sources and torch version>/` (~15 s, once per machine) and loaded
-from there afterwards; torch's extension builder locks the directory, so concurrent first uses
-build it once.
+folder, built with the machine's C++ compiler (the one Inductor uses). It is installed once per
+machine in `<cache root>/kernels/<build digest>/` (`library_dir()`; the digest covers the
+sources, flags, torch version and machine: `build_fingerprint()`) with a record (`library.json`:
+the fingerprint and the library's sha256) written before the directory is renamed into place,
+so a directory whose record matches its library is whole (`whole_library`).
+
+`load()` loads the installed library straight from its file, never through torch's builder.
+When none is installed it builds one (~20 s) under the build's flock (`install_lock`: it dies
+with its process, so a killed build never blocks the next start) in a fresh staging directory,
+renamed into place when whole; torch's builder keeps its own lock file in that staging
+directory, where a killed build leaves it for the next holder of the flock to remove, unread.
+The loading layer may install `library_dir()` from a remote store instead, under the same flock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from vllm_aot.files import (
+    exclusive_lock,
+    file_sha256,
+    remove_staging_leftovers,
+    staged_dir,
+    write_json_atomic,
+)
 from vllm_aot.models.formats import ATEN, dense_format
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.paths import cache_root
@@ -43,7 +63,12 @@ from vllm_aot.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# Tuples: torch's builder appends to the lists it is given.
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_LIBRARY = "vllm_aot_kernels"
+LIBRARY_FILE = f"{_LIBRARY}.so"  # what torch's builder names it
+RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
 DECODE_ATTENTION = "vllm_aot.decode_attention/1"
 TORCH = "torch"
@@ -79,9 +104,14 @@ def program_kernels(dtype: torch.dtype) -> dict[str, str]:
     return {"linear": linear_impl(dtype), "attention": attention_impl()}
 
 
+def uses_library(dtype: torch.dtype) -> bool:
+    """Whether programs of `dtype` call any of our ops on this CPU."""
+    return program_kernels(dtype) != {"linear": ATEN, "attention": TORCH}
+
+
 def load_used(dtype: torch.dtype) -> None:
     """Load the library when programs of `dtype` call any of our ops (before loading one)."""
-    if program_kernels(dtype) != {"linear": ATEN, "attention": TORCH}:
+    if uses_library(dtype):
         load()
 
 
@@ -108,27 +138,102 @@ def _sources() -> list[Path]:
     return sorted(_HERE.glob("*.cpp"))
 
 
-def build_dir() -> Path:
-    files = _sources() + sorted(_HERE.glob("*.h"))
-    blob = b"".join(p.read_bytes() for p in files) + " ".join(_FLAGS).encode()
-    blob += torch.__version__.encode()
-    return cache_root() / "kernels" / hashlib.sha256(blob).hexdigest()[:16]
+def build_fingerprint() -> dict[str, str | list[str]]:
+    """What the built library depends on. The target is the machine and the flags' ISA (AVX2 +
+    FMA), not the building CPU: no `-march=native`, so any x86-64 with AVX2 runs it."""
+    sources = hashlib.sha256()
+    for path in [*_sources(), *sorted(_HERE.glob("*.h"))]:
+        sources.update(path.name.encode() + b"\n" + path.read_bytes())
+    return {
+        "sources": sources.hexdigest(),
+        "flags": [*_FLAGS, *_LDFLAGS],
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
+
+
+def build_digest() -> str:
+    blob = json.dumps(build_fingerprint(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def library_dir() -> Path:
+    """Where this machine's library of this build is installed."""
+    return cache_root() / "kernels" / build_digest()
+
+
+def whole_library(directory: Path) -> Path | None:
+    """The library file in `directory` when its record names this build and its bytes match the
+    record's sha256; else None."""
+    library = directory / LIBRARY_FILE
+    try:
+        record = json.loads((directory / RECORD_FILE).read_text())
+        whole = record["digest"] == build_digest() and file_sha256(library) == record["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return library if whole else None
+
+
+def installed_library() -> Path | None:
+    return whole_library(library_dir())
+
+
+@contextlib.contextmanager
+def install_lock() -> Iterator[None]:
+    """Hold the flock that orders every build or install of this library on this machine (it
+    dies with its process). While held, what killed builds left beside the directory is
+    removed: their builders are gone."""
+    directory = library_dir()
+    with exclusive_lock(directory.with_name(f"{directory.name}.lock"), what="building kernels"):
+        for path in remove_staging_leftovers(directory):
+            logger.info("vllm-aot kernels: removed %s, left by an interrupted build", path)
+        yield
+
+
+def _build() -> None:
+    """Build into a staging directory, record it, rename it into place (torch's builder also
+    loads it into this process)."""
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    with staged_dir(library_dir()) as staging:
+        built = cpp_extension.load(
+            name=_LIBRARY,
+            sources=[str(p) for p in _sources()],
+            extra_cflags=list(_FLAGS),
+            extra_ldflags=list(_LDFLAGS),
+            build_directory=str(staging),
+            is_python_module=False,
+            verbose=False,
+        )
+        library = staging / LIBRARY_FILE
+        if Path(built) != library:  # a second build in one process gets a versioned name
+            os.rename(built, library)
+        record = {
+            "digest": build_digest(),
+            "fingerprint": build_fingerprint(),
+            "sha256": file_sha256(library),
+            "bytes": library.stat().st_size,
+            "built_on": socket.gethostname(),
+            "created": time.time(),
+        }
+        write_json_atomic(staging / RECORD_FILE, record)
+    logger.info(
+        "vllm-aot kernels: built in %.1f s into %s", time.perf_counter() - start, library_dir()
+    )
 
 
 @functools.cache
-def load() -> None:
-    """Build (once per machine) and load the kernels library into this process (once)."""
-    from torch.utils import cpp_extension
-
-    directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="vllm_aot_kernels",
-        sources=[str(p) for p in _sources()],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
-    logger.debug("vllm-aot kernels loaded from %s", directory)
+def load() -> str:
+    """Load the kernels library into this process (once), building it first when this machine
+    has none installed. Returns "installed" (loaded from `library_dir()`) or "built" (built by
+    this process, which loaded it)."""
+    if installed_library() is None:
+        with install_lock():
+            if installed_library() is None:
+                _build()
+                return "built"
+    library = library_dir() / LIBRARY_FILE
+    torch.ops.load_library(str(library))
+    logger.debug("vllm-aot kernels loaded from %s", library)
+    return "installed"

@@ -2,15 +2,18 @@
 
 Layout of `vllm-aot export MODEL -o DIR`:
 
-    DIR/vllm-aot-manifest.json   format, versions, architecture, RuntimeConfig, program list,
-                                 where the weights are; written last, so its presence means the
-                                 export is complete
+    DIR/vllm-aot-manifest.json   format, versions, CPU target and kernels, architecture,
+                                 RuntimeConfig, program list, where the weights are; written
+                                 last, so its presence means the export is complete
     DIR/programs/*.pt2           one AOTInductor package per program (code only, no weights)
     DIR/config.json, tokenizer*  copied, so DIR is also an HF directory for tokenizers and vLLM
     DIR/*.safetensors            only with --copy-weights; otherwise the manifest references
                                  the source directory
 
 Weights never live inside programs: they are loaded once at start-up and shared by all buckets.
+Compiled code runs only where it was built for: `open_artifact` refuses, before anything loads,
+a directory exported by another vllm-aot or torch, for another CPU target (its code would die of
+an illegal instruction here) or calling other kernels than this machine runs.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ from typing import Any
 import torch
 
 import vllm_aot
-from vllm_aot.cache.keys import arch_digest
+from vllm_aot.cache.keys import arch_digest, cpu_target
 from vllm_aot.files import staged_path, write_json_atomic
+from vllm_aot.kernels import program_kernels
 from vllm_aot.loading.programs import LoadReport, ProgramOptions, check_fits, ensure_programs
 from vllm_aot.models.registry import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
 
 MANIFEST_NAME = "vllm-aot-manifest.json"
-ARTIFACT_FORMAT = 1
+# 2: the manifest names the CPU target and the kernels the programs call.
+ARTIFACT_FORMAT = 2
 _SMALL_FILES = (
     "config.json",
     "generation_config.json",
@@ -64,12 +69,19 @@ def is_artifact_dir(path: str | Path) -> bool:
 
 
 def read_manifest(artifact_dir: str | Path) -> dict[str, Any]:
+    """The manifest of an exported directory this installation can load on this machine; raises
+    ArtifactMismatchError naming what differs (and what to do) otherwise, FileNotFoundError when
+    `artifact_dir` is not an exported directory. Serve's front end reads it first, so a mismatch
+    stops it before any engine starts."""
     path = Path(artifact_dir) / MANIFEST_NAME
     if not path.is_file():
         raise FileNotFoundError(
             f"{artifact_dir} is not an exported vllm-aot artifact (no {MANIFEST_NAME})"
         )
-    return json.loads(path.read_text())
+    manifest = json.loads(path.read_text())
+    _check_compatible(manifest, Path(artifact_dir))
+    _check_kernels(manifest, Path(artifact_dir))
+    return manifest
 
 
 def weights_dir(artifact_dir: str | Path, manifest: dict[str, Any]) -> Path:
@@ -111,6 +123,8 @@ def export_model(
         "format": ARTIFACT_FORMAT,
         "vllm_aot_version": vllm_aot.__version__,
         "torch_version": torch.__version__,
+        "cpu_target": cpu_target(),
+        "kernels": program_kernels(config.torch_dtype),
         "architecture": arch.architecture,
         "arch_digest": arch_digest(arch),
         "config": config.to_dict(),
@@ -170,6 +184,23 @@ def _check_compatible(manifest: dict[str, Any], artifact_dir: Path) -> None:
             f"{artifact_dir} was compiled with {', '.join(wrong)}; compiled programs only load "
             "with the versions that built them. Re-export it with this installation."
         )
+    if manifest.get("cpu_target") != cpu_target():
+        raise ArtifactMismatchError(
+            f"{artifact_dir} was compiled for CPU target {manifest.get('cpu_target')} and this "
+            f"machine is {cpu_target()}; compiled code runs only on the target it was built for "
+            "(elsewhere it may stop on an illegal instruction). Re-export it on this machine "
+            "(vllm-aot export MODEL -o DIR), or serve the model directory itself."
+        )
+
+
+def _check_kernels(manifest: dict[str, Any], artifact_dir: Path) -> None:
+    here = program_kernels(RuntimeConfig.from_dict(manifest["config"]).torch_dtype)
+    if manifest.get("kernels") != here:
+        raise ArtifactMismatchError(
+            f"{artifact_dir}'s programs call the kernels {manifest.get('kernels')}, and this "
+            f"machine runs {here} (VLLM_AOT_KERNELS, or a CPU without AVX2 or with bfloat16 "
+            "arithmetic). Re-export it on this machine with the same setting."
+        )
 
 
 def _check_config(manifest_config: RuntimeConfig, expected: RuntimeConfig, artifact_dir: Path):
@@ -188,12 +219,12 @@ def open_artifact(
     """An exported directory's configuration and where its weights are, checked before anything
     loads.
 
-    Raises ArtifactMismatchError when it was built by another vllm-aot/torch version, or for a
-    configuration other than `expected` (when given); FileNotFoundError when its weights are gone.
+    Raises ArtifactMismatchError when it was built by another vllm-aot/torch version, for another
+    CPU target or kernels, or for a configuration other than `expected` (when given);
+    FileNotFoundError when its weights are gone.
     """
     artifact_dir = Path(artifact_dir)
     manifest = read_manifest(artifact_dir)
-    _check_compatible(manifest, artifact_dir)
     config = RuntimeConfig.from_dict(manifest["config"])
     if expected is not None:
         _check_config(config, expected, artifact_dir)

