@@ -14,6 +14,7 @@ or the compiler can serve.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 CompileFn = Callable[[list[tuple[ProgramKey, Path]], Callable[[ProgramKey, float], None]], None]
 # on_event(program name, source, seconds) with source "local" | "remote" | "compiled".
 EventFn = Callable[[str, str, float], None]
+
+
+class CacheDiskFullError(RuntimeError):
+    """The compile cache's device has no space left for the programs being compiled."""
 
 
 class CacheMissError(RuntimeError):
@@ -223,16 +228,30 @@ class ProgramCache:
                     f"compiling ended without committing {', '.join(unreported)}: the compiler "
                     "did not report them, or committing them failed (see the error above)"
                 )
-        except BaseException:
-            error = traceback.format_exc()
-            for pk in to_build:
-                if pk in locked:  # not committed
-                    self.local.record_failure(keys[pk], pk.name, error)
+        except BaseException as exc:
+            unbuilt = [pk for pk in to_build if pk in locked]  # not committed
+            self._record_failures(unbuilt, keys, traceback.format_exc())
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise CacheDiskFullError(
+                    f"no space left on the device of the compile cache {self.local.root}: "
+                    f"{len(unbuilt)} programs were not compiled ({unbuilt[0].name}, ...); the "
+                    "ones already committed are whole. Free space there, or point "
+                    "VLLM_AOT_COMPILE_CACHE at a device with room, and start again."
+                ) from exc
             raise
         finally:
             for pk in to_build:
                 if pk in locked:
                     shutil.rmtree(staging[pk], ignore_errors=True)
+
+    def _record_failures(self, unbuilt: list[ProgramKey], keys, error: str) -> None:
+        """Remember why `unbuilt` failed; a record that cannot be written (a full disk) is only
+        logged, so the compile's own error is the one raised."""
+        for pk in unbuilt:
+            try:
+                self.local.record_failure(keys[pk], pk.name, error)
+            except OSError as exc:
+                logger.warning("vllm-aot cache: cannot record %s's failure: %s", pk.name, exc)
 
     def missing(self, arch: ModelArch, config: RuntimeConfig) -> list[ProgramKey]:
         """Programs of `config` neither in the local cache nor in the remote store (no locks)."""
