@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from vllm_aot.runtime.config import RuntimeConfig
+
+
+def run_vllm_aot(
+    *args: str, env: dict | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """`vllm-aot ARGS` in a child process, its output captured (text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_aot.cli.main", *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tiny_config(**overrides) -> RuntimeConfig:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import urllib.request
 
 import pytest
 
 from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
+from tests.helpers import run_vllm_aot
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
 # With SHAPE_ARGS: one bucket of each kind, four programs.
@@ -19,13 +19,7 @@ BUCKETS = {"decode_batch_buckets": [4], "prefill_token_buckets": [64]}
 
 
 def vllm_aot(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_aot.cli.main", *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    return run_vllm_aot(*args, env=env, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from launch to the first /health 200."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_vllm_aot
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 from vllm_aot.testing import built_here, free_port, fresh_home_env, running_server
 
@@ -24,13 +24,7 @@ BUCKETS += ["--prefill-token-buckets", "64"]
 
 
 def vllm_aot(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_aot.cli.main", *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    return run_vllm_aot(*args, env=env, timeout=1800)
 
 
 @pytest.fixture(scope="module")
