@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.request
 
 from vllm_aot.runtime.config import RuntimeConfig
 
@@ -68,3 +69,17 @@ TINY_CACHE_CONFIG = RuntimeConfig(
     decode_batch_buckets=(2,),
     prefill_token_buckets=(64,),
 )
+
+
+def metrics_after_one_completion(url: str) -> str:
+    """A started server's /metrics text, then one short completion that must succeed."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=b'{"prompt": "Hello", "max_tokens": 4, "temperature": 0}',
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+    return metrics

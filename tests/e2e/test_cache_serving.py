@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import urllib.request
 
 import pytest
 
 from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
-from tests.helpers import run_vllm_aot
+from tests.helpers import metrics_after_one_completion, run_vllm_aot
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
 # With SHAPE_ARGS: one bucket of each kind, four programs.
@@ -63,15 +62,7 @@ def test_a_fresh_cache_filled_from_the_remote_store_compiles_nothing(
     env = {**SERVER_ENV, "VLLM_AOT_COMPILE_CACHE": str(tmp_path / "empty-local-cache")}
     log = tmp_path / "server.log"
     with running_server(command, port=port, env=env, log_path=log, timeout=300) as url:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
-        request = urllib.request.Request(
-            f"{url}/v1/completions",
-            data=b'{"prompt": "Hello", "max_tokens": 4, "temperature": 0}',
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert response.status == 200
+        metrics = metrics_after_one_completion(url)
     text = log.read_text()
     assert text.count("fetched from the remote store in") == 4
     assert " compiled in " not in text

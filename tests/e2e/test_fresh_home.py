@@ -8,12 +8,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_vllm_aot
+from tests.helpers import metrics_after_one_completion, run_vllm_aot
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 from vllm_aot.testing import built_here, free_port, fresh_home_env, running_server
 
@@ -52,15 +51,7 @@ def test_a_fresh_home_serves_from_the_remote_store_building_nothing(filled_store
     started = time.monotonic()
     with running_server(command, port=port, env=env, log_path=log, timeout=600) as url:
         seconds = time.monotonic() - started
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
-        request = urllib.request.Request(
-            f"{url}/v1/completions",
-            data=b'{"prompt": "Hello", "max_tokens": 4, "temperature": 0}',
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert response.status == 200
+        metrics = metrics_after_one_completion(url)
     print(f"\nfresh home -> first /health 200 in {seconds:.1f} s")
     text = log.read_text(errors="replace")
     assert f"{DEFAULT_MODEL_NAME}: fetched from {filled_store}" in text
