@@ -72,7 +72,7 @@ def test_decode_attention_matches_reference(dtype):
 
 def test_kernels_off_selects_aten_and_torch(monkeypatch):
     monkeypatch.setenv("VLLM_AOT_KERNELS", "0")
-    assert kernels.linear_impl(torch.bfloat16) == ATEN
+    assert kernels.linear_impl("bf16") == ATEN
     assert kernels.attention_impl() == kernels.TORCH
     monkeypatch.delenv("VLLM_AOT_KERNELS")
-    assert kernels.linear_impl(torch.float32) == ATEN  # MKL is fast in float32
+    assert kernels.linear_impl("fp32") == ATEN  # MKL is fast in float32

@@ -46,28 +46,28 @@ def test_kernel_choice_follows_the_cpu(fmt, cpu, kernel):
     assert WEIGHT_FORMATS[fmt].kernel(cpu).name == kernel
 
 
-def test_program_kernels_name_what_they_did_before_formats(monkeypatch):
+def test_program_kernels_name_each_format_and_the_attention(monkeypatch):
     """The cache key's kernel names: bf16 kernel only without native bfloat16, else aten."""
-    for dtype in (torch.float32, torch.bfloat16):
+    for fmt in ("fp32", "bf16"):
         cpu = torch.cpu
         native = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
-        uses_kernel = dtype == torch.bfloat16 and kernels.kernels_enabled() and not native
-        assert kernels.program_kernels(dtype) == {
-            "linear": LINEAR_BF16 if uses_kernel else ATEN,
+        uses_kernel = fmt == "bf16" and kernels.kernels_enabled() and not native
+        assert kernels.program_kernels([fmt]) == {
+            f"linear.{fmt}": LINEAR_BF16 if uses_kernel else ATEN,
             "attention": kernels.DECODE_ATTENTION if kernels.kernels_enabled() else kernels.TORCH,
         }
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     expected = LINEAR_BF16 if kernels.kernels_enabled() else ATEN
-    assert kernels.program_kernels(torch.bfloat16)["linear"] == expected
+    assert kernels.program_kernels(["bf16", "q4_1"])["linear.bf16"] == expected
 
 
 @pytest.mark.parametrize("name", sorted(WEIGHT_FORMATS))
 def test_every_format_prepares_what_its_example_declares(name):
     fmt = WEIGHT_FORMATS[name]
     assert fmt.name == name and weight_format(name) is fmt
-    prepared = fmt.prepare(torch.randn(24, 40))
-    example = fmt.example(24, 40)
+    prepared = fmt.prepare(torch.randn(24, 64))
+    example = fmt.example(24, 64)
     assert len(prepared) == len(example) == len(fmt.tensor_names)
     assert [(t.shape, t.dtype) for t in prepared] == [(t.shape, t.dtype) for t in example]
     assert all(t.is_contiguous() for t in prepared)
@@ -91,7 +91,7 @@ def test_every_format_multiplies_like_the_float_linear(name):
     fmt = WEIGHT_FORMATS[name]
     stored = fmt.prepare(w)
     x = x.to(stored[0].dtype) if stored[0].is_floating_point() else x
-    want = F.linear(x.float(), w, b)
+    want = F.linear(x.float(), fmt.dequantize(*stored), b)
     for kernel in usable_kernels(name):
         got = kernel.apply(x, *stored, b.to(x.dtype)).float()
         # bfloat16 keeps 8 bits of mantissa: relative error ~2^-8 per product, summed over 64.
@@ -100,8 +100,8 @@ def test_every_format_multiplies_like_the_float_linear(name):
 
 
 def test_unknown_format_names_the_supported_ones():
-    with pytest.raises(ValueError, match="'q4_0' is not supported; supported: fp32, bf16"):
-        weight_format("q4_0")
+    with pytest.raises(ValueError, match="'q4_k' is not supported; supported: fp32, bf16, int8"):
+        weight_format("q4_k")
     assert dense_format(torch.bfloat16).name == "bf16"
 
 

@@ -44,7 +44,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -56,7 +56,7 @@ from vllm_aot.files import (
     staged_dir,
     write_json_atomic,
 )
-from vllm_aot.models.formats import ATEN, dense_format
+from vllm_aot.models.formats import weight_format
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.paths import cache_root
 
@@ -72,6 +72,7 @@ RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
 DECODE_ATTENTION = "vllm_aot.decode_attention/1"
 TORCH = "torch"
+_LIBRARY_OPS = "vllm_aot."  # the prefix of every kernel name that is one of our ops
 
 
 def kernels_enabled() -> bool:
@@ -89,9 +90,9 @@ def cpu_features() -> CpuFeatures:
     )
 
 
-def linear_impl(dtype: torch.dtype) -> str:
-    """The linear kernel programs of `dtype` call on this CPU: their weight format's choice."""
-    return dense_format(dtype).kernel(cpu_features()).name
+def linear_impl(fmt: str) -> str:
+    """The kernel linears of weight format `fmt` call on this CPU: the format's choice."""
+    return weight_format(fmt).kernel(cpu_features()).name
 
 
 def attention_impl() -> str:
@@ -99,19 +100,22 @@ def attention_impl() -> str:
     return DECODE_ATTENTION if kernels_enabled() else TORCH
 
 
-def program_kernels(dtype: torch.dtype) -> dict[str, str]:
-    """What a program of `dtype` calls on this CPU (its cache key names it)."""
-    return {"linear": linear_impl(dtype), "attention": attention_impl()}
+def program_kernels(formats: Iterable[str]) -> dict[str, str]:
+    """What programs whose linears use `formats` call on this CPU (their cache key names it):
+    `linear.<format>` per format, and `attention`."""
+    linears = {f"linear.{fmt}": linear_impl(fmt) for fmt in sorted(set(formats))}
+    return {**linears, "attention": attention_impl()}
 
 
-def uses_library(dtype: torch.dtype) -> bool:
-    """Whether programs of `dtype` call any of our ops on this CPU."""
-    return program_kernels(dtype) != {"linear": ATEN, "attention": TORCH}
+def uses_library(formats: Iterable[str]) -> bool:
+    """Whether programs whose linears use `formats` call any of our ops on this CPU."""
+    return any(name.startswith(_LIBRARY_OPS) for name in program_kernels(formats).values())
 
 
-def load_used(dtype: torch.dtype) -> None:
-    """Load the library when programs of `dtype` call any of our ops (before loading one)."""
-    if uses_library(dtype):
+def load_used(formats: Iterable[str]) -> None:
+    """Load the library when programs whose linears use `formats` call any of our ops (before
+    loading one)."""
+    if uses_library(formats):
         load()
 
 

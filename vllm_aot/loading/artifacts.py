@@ -124,7 +124,7 @@ def export_model(
         "vllm_aot_version": vllm_aot.__version__,
         "torch_version": torch.__version__,
         "cpu_target": cpu_target(),
-        "kernels": program_kernels(config.torch_dtype),
+        "kernels": program_kernels(config.formats_used()),
         "architecture": arch.architecture,
         "arch_digest": arch_digest(arch),
         "config": config.to_dict(),
@@ -194,7 +194,7 @@ def _check_compatible(manifest: dict[str, Any], artifact_dir: Path) -> None:
 
 
 def _check_kernels(manifest: dict[str, Any], artifact_dir: Path) -> None:
-    here = program_kernels(RuntimeConfig.from_dict(manifest["config"]).torch_dtype)
+    here = program_kernels(RuntimeConfig.from_dict(manifest["config"]).formats_used())
     if manifest.get("kernels") != here:
         raise ArtifactMismatchError(
             f"{artifact_dir}'s programs call the kernels {manifest.get('kernels')}, and this "

@@ -19,9 +19,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-
-import torch
 
 from vllm_aot import kernels, paths
 from vllm_aot.cache.artefacts import artefact_name, fetch_tree, has_tree, push_tree
@@ -67,10 +66,11 @@ def ensure_model_infos(cache: ProgramCache) -> str:
     return origin
 
 
-def ensure_kernels(cache: ProgramCache, dtype: torch.dtype) -> str | None:
-    """Load the kernels library that programs of `dtype` call; return where it came from:
-    "local" (installed here), "remote" (fetched) or "built"; None when they call none."""
-    if not kernels.uses_library(dtype):
+def ensure_kernels(cache: ProgramCache, formats: Iterable[str]) -> str | None:
+    """Load the kernels library that programs whose linears use `formats` call; return where it
+    came from: "local" (installed here), "remote" (fetched) or "built"; None when they call
+    none."""
+    if not kernels.uses_library(formats):
         return None
     origin = "local"
     fetch = kernels.installed_library() is None and cache.remote is not None

@@ -134,7 +134,7 @@ def prepare_kernels(cache: ProgramCache, config: RuntimeConfig, report: LoadRepo
     """The kernels library programs of `config` call, loaded into this process (installed here,
     fetched from the remote store or built: `prebuilt.ensure_kernels`), timed into `report`."""
     start = time.perf_counter()
-    report.kernels = ensure_kernels(cache, config.torch_dtype)
+    report.kernels = ensure_kernels(cache, config.formats_used())
     report.kernels_seconds = time.perf_counter() - start
 
 
@@ -179,7 +179,7 @@ def load_weights_timed(
     model_dir: str | Path, arch: ModelArch, config: RuntimeConfig, report: LoadReport
 ) -> ModelWeights:
     start = time.perf_counter()
-    weights = load_weights(model_dir, arch, config.torch_dtype)
+    weights = load_weights(model_dir, arch, config.torch_dtype, formats=config.linear_format)
     report.weights_seconds = time.perf_counter() - start
     report.weights_bytes = weights.num_bytes()
     return weights

@@ -11,7 +11,7 @@ A family (`models/llama.py`, `qwen2.py`, `qwen3.py`, registered in `models/regis
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,15 @@ class LayerSpec:
         linear = next((p for p in self.linears() if p.name == name), None)
         assert linear is not None, f"no linear {name!r} in this layer"
         return linear
+
+    def with_formats(self, format_of: Callable[[str], str]) -> LayerSpec:
+        """The same layer with each linear in format `format_of(linear name)`."""
+        return LayerSpec(
+            tuple(
+                replace(p, format=format_of(p.name)) if isinstance(p, Linear) else p
+                for p in self.params
+            )
+        )
 
     def tensor_names(self) -> tuple[str, ...]:
         """`{param}.weight` per norm; per linear its format's stored tensors, then `.bias`."""

@@ -1,17 +1,31 @@
 """Weight formats, registered by name: how a linear's weight is stored and which kernel runs it.
 
-A format is one `WeightFormat` here (prepare at load, example tensors for export, the kernel
-choice for a CPU) plus, when it needs one, its kernel in `kernels/` (a `.cpp` file defining the op
-and its shape function; `kernels.load()` builds every `.cpp` there). Adding a format touches its
-kernel file, its registration below and its test, nothing else.
+A format is one `WeightFormat` here (prepare at load, example tensors for export, dequantise, the
+kernel choice for a CPU) plus, when it needs one, its kernel in `kernels/` (a `.cpp` file defining
+the op and its shape function; `kernels.load()` builds every `.cpp` there). Adding a format
+touches its kernel file, its registration below and its test, nothing else.
 
-Programs of a dtype use the dense format of that dtype (`dense_format`); the kernel it picks is
-named in every program's cache key (`kernels.program_kernels`).
+The formats and their stored tensors (every tensor's first dimension is the output row, so rows
+are fused, permuted and sharded plane by plane; GGUF blocks hold 32 consecutive inputs of a row):
+- `fp32`, `bf16`: `weight` [out, in] of that dtype (the dense formats: `dense_format(dtype)`).
+- `int8`: `qweight` int8 [out, in] and `scale` float32 [out]; w = q * scale (per-output-channel
+  symmetric, weight-only: any checkpoint quantised at load).
+- `q8_0` (GGUF): `qweight` int8 [out, in] and `scale` float16 [out, in / 32]; w = q * d.
+- `q4_0` (GGUF): `qweight` uint8 [out, in / 2] and `scale` float16 [out, in / 32]; byte j of a
+  block's 16 holds input j (low nibble) and input j + 16 (high nibble); w = (q - 8) * d.
+- `q4_1` (GGUF): `qweight` uint8 [out, in / 2] as q4_0's, `scale` and `min` float16
+  [out, in / 32]; w = q * d + m.
+GGUF files give the quantised formats' tensors as they are (`models/gguf.py`); `prepare`
+quantises a float weight the way llama.cpp does (tests, `--quantization int8`).
+
+Which kernel a format picks on a CPU is named in every program's cache key
+(`kernels.program_kernels`); where our kernels cannot run, the quantised formats multiply through
+their pure-torch dequantisation (the reference the kernels are tested against).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -44,6 +58,7 @@ def _dense(name: str, dtype: torch.dtype, kernel) -> WeightFormat:
             torch.zeros(out_features, in_features, dtype=dtype),
         ),
         kernel=kernel,
+        dequantize=lambda weight: weight.float(),
     )
 
 
@@ -55,10 +70,141 @@ def _bf16_kernel(cpu: CpuFeatures) -> LinearKernel:
     return ATEN_LINEAR
 
 
+BLOCK = 32  # inputs per GGUF block (q8_0, q4_0, q4_1)
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> float32 [out, in / 32, 32], refusing rows that are not whole blocks."""
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"GGUF block formats need in_features divisible by {BLOCK}")
+    return weight.float().reshape(out_features, in_features // BLOCK, BLOCK)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values < 16 [out, blocks, 32] -> [out, blocks * 16]: input j low, j + 16 high."""
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+
+
+def _unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """[out, in / 2] uint8 -> float32 [out, in / 32, 32] of the nibbles in input order."""
+    packed = qweight.reshape(qweight.shape[0], -1, 16)
+    return torch.cat([packed & 15, packed >> 4], dim=-1).float()
+
+
+def _quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    scale = weight.float().abs().amax(dim=1) / 127
+    q = (weight.float() / scale.clamp_min(1e-30)[:, None]).round().clamp(-127, 127)
+    return q.to(torch.int8).contiguous(), scale.contiguous()
+
+
+def _dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return qweight.float() * scale[:, None]
+
+
+def _quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    blocks = _blocks(weight)
+    d = (blocks.abs().amax(dim=-1) / 127).half()
+    inv = torch.where(d > 0, 1 / d.float(), 0.0)
+    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(weight.shape).contiguous(), d.contiguous()
+
+
+def _dequantize_q8_0(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    blocks = qweight.float().reshape(*scale.shape, BLOCK) * scale.float()[..., None]
+    return blocks.reshape(qweight.shape)
+
+
+def _quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """llama.cpp's rule: d = the block's value of largest magnitude / -8, q = trunc(x / d + 8.5)."""
+    blocks = _blocks(weight)
+    extreme = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    d = (extreme / -8).half()
+    inv = torch.where(d != 0, 1 / d.float(), 0.0)
+    q = (blocks * inv[..., None] + 8.5).trunc().clamp(0, 15).to(torch.uint8)
+    return _pack_nibbles(q).contiguous(), d.contiguous()
+
+
+def _dequantize_q4_0(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    blocks = (_unpack_nibbles(qweight) - 8) * scale.float()[..., None]
+    return blocks.reshape(qweight.shape[0], -1)
+
+
+def _quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """llama.cpp's rule: m = the block's minimum, d = (max - min) / 15,
+    q = trunc((x - m) / d + 0.5)."""
+    blocks = _blocks(weight)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    d, m = ((high - low) / 15).half(), low.half()
+    inv = torch.where(d != 0, 1 / d.float(), 0.0)
+    q = ((blocks - low[..., None]) * inv[..., None] + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+    return _pack_nibbles(q).contiguous(), d.contiguous(), m.contiguous()
+
+
+def _dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    blocks = _unpack_nibbles(qweight) * scale.float()[..., None] + minimum.float()[..., None]
+    return blocks.reshape(qweight.shape[0], -1)
+
+
+def _reference_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKernel]:
+    """The pure-torch multiplication: dequantise to float32, multiply, in the activations' dtype."""
+
+    def apply(x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        *tensors, bias = stored
+        y = F.linear(x.float(), dequantize(*tensors))
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+    kernel = LinearKernel(f"torch.dequantize/{name}", apply)
+    return lambda cpu: kernel
+
+
+def _planes(*planes: tuple[torch.dtype, int]) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
+    """Example tensors, one per (dtype, inputs per element: 0 for one per output row)."""
+
+    def example(out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.zeros(out_features, in_features // per, dtype=dtype)
+            if per
+            else torch.zeros(out_features, dtype=dtype)
+            for dtype, per in planes
+        )
+
+    return example
+
+
+def _quantized(name, tensor_names, quantize, dequantize, planes) -> WeightFormat:
+    return WeightFormat(
+        name=name,
+        tensor_names=tensor_names,
+        prepare=quantize,
+        example=_planes(*planes),
+        kernel=_reference_kernel(name, dequantize),
+        dequantize=dequantize,
+    )
+
+
+_I8, _U8, _F16, _F32 = torch.int8, torch.uint8, torch.float16, torch.float32
+
 WEIGHT_FORMATS: Mapping[str, WeightFormat] = MappingProxyType(
     {
         "fp32": _dense("fp32", torch.float32, lambda cpu: ATEN_LINEAR),  # MKL is fast in fp32
         "bf16": _dense("bf16", torch.bfloat16, _bf16_kernel),
+        "int8": _quantized(
+            "int8", ("qweight", "scale"), _quantize_int8, _dequantize_int8, [(_I8, 1), (_F32, 0)]
+        ),
+        "q8_0": _quantized(
+            "q8_0", ("qweight", "scale"), _quantize_q8_0, _dequantize_q8_0, [(_I8, 1), (_F16, 32)]
+        ),
+        "q4_0": _quantized(
+            "q4_0", ("qweight", "scale"), _quantize_q4_0, _dequantize_q4_0, [(_U8, 2), (_F16, 32)]
+        ),
+        "q4_1": _quantized(
+            "q4_1",
+            ("qweight", "scale", "min"),
+            _quantize_q4_1,
+            _dequantize_q4_1,
+            [(_U8, 2), (_F16, 32), (_F16, 32)],
+        ),
     }
 )
 
@@ -76,3 +222,11 @@ def weight_format(name: str) -> WeightFormat:
 def dense_format(dtype: torch.dtype) -> WeightFormat:
     """The format whose weights are plain [out, in] tensors of the programs' `dtype`."""
     return WEIGHT_FORMATS[_DENSE_BY_DTYPE[dtype]]
+
+
+def take_rows(
+    fmt: WeightFormat, stored: tuple[torch.Tensor, ...], ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows `ids` of a stored weight, dequantised to float32 [len(ids), in] (an embedding lookup
+    that never widens the whole table)."""
+    return fmt.dequantize(*(tensor[ids] for tensor in stored))

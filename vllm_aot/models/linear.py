@@ -24,6 +24,9 @@ from enum import StrEnum
 
 import torch
 
+# The names weight formats are chosen by for the vocabulary rows (besides a layer's linears).
+EMBEDDING, LM_HEAD = "embed_tokens", "lm_head"
+
 
 class Shard(StrEnum):
     REPLICATED = "replicated"
@@ -84,9 +87,11 @@ class WeightFormat:
     """How a linear's weight is stored and multiplied; one registration per format.
 
     `prepare` runs once at load on the (sharded, fused) float weight [out, in] and returns the
-    stored tensors, named by `tensor_names`; `example` gives tensors of the stored shapes and
-    dtypes for export; `kernel` picks the implementation for a CPU. Programs take the stored
-    tensors as inputs, then the bias (in the activation dtype) when the linear has one.
+    stored tensors, named by `tensor_names` (each with the output rows as its first dimension);
+    `example` gives tensors of the stored shapes and dtypes for export; `kernel` picks the
+    implementation for a CPU; `dequantize` turns stored tensors back into float32 [out, in] (the
+    reference kernels are tested against, embedding lookups, the accuracy tools). Programs take
+    the stored tensors as inputs, then the bias (in the activation dtype) when the linear has one.
     """
 
     name: str
@@ -94,6 +99,7 @@ class WeightFormat:
     prepare: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     example: Callable[[int, int], tuple[torch.Tensor, ...]]  # (out, in) -> stored tensors
     kernel: Callable[[CpuFeatures], LinearKernel]
+    dequantize: Callable[..., torch.Tensor]  # (*stored) -> float32 [out, in]
 
 
 def _split_even(tensor: torch.Tensor, dim: int, rank: Rank, what: str) -> torch.Tensor:

@@ -29,5 +29,5 @@ def eager_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> Pr
 
 def load_program(path: Path, config: RuntimeConfig) -> Program:
     """A compiled package; the kernels it calls by name are loaded into the process first."""
-    load_used(config.torch_dtype)
+    load_used(config.formats_used())
     return torch._inductor.aoti_load_package(str(path))

@@ -7,10 +7,22 @@ from typing import Any
 
 import torch
 
+from vllm_aot.models.formats import dense_format, weight_format
 from vllm_aot.runtime.buckets import powers_of_two, validate_buckets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS = ("inductor", "eager")
+# Weight quantization as vLLM names it: None (the dense format of `dtype`), "int8" (every linear,
+# the embedding and the head quantised at load), "gguf" (the formats a .gguf file stores).
+QUANTIZATIONS = ("int8", "gguf")
+# KV cache element types as vLLM names them ("fp8" is "fp8_e4m3"); "auto" is `dtype`.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
 
 
 @dataclass(frozen=True)
@@ -36,10 +48,16 @@ class RuntimeConfig:
     num_logprobs: int = 20  # top-n logprobs every head program returns
     num_sampling_candidates: int = 256  # top-k/top-p decide among this many tokens
     num_kv_blocks: int | None = None  # default: every row at max_model_len, plus the dummy
+    quantization: str | None = None  # one of QUANTIZATIONS; None: dense weights of `dtype`
+    # (linear name or "*", weight format): every linear's format, resolved at load from
+    # `quantization` and the checkpoint (`models/checkpoints.py`); () for dense weights.
+    weight_formats: tuple[tuple[str, str], ...] = ()
+    kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {list(DTYPES)}")
+        self._check_formats()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is unknown; supported: {list(BACKENDS)}")
         for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
@@ -81,6 +99,60 @@ class RuntimeConfig:
                 f"({self.max_blocks_per_seq} blocks of {self.block_size}) plus the dummy block"
             )
 
+    def _check_formats(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; supported: "
+                f"{', '.join(QUANTIZATIONS)} (or none)"
+            )
+        kv = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
+                f"{', '.join([*KV_CACHE_DTYPES, *KV_CACHE_ALIASES])}"
+            )
+        object.__setattr__(self, "kv_cache_dtype", kv)
+        formats = tuple(tuple(pair) for pair in self.weight_formats)
+        if self.quantization == "int8" and not formats:
+            formats = ((ALL_LINEARS, "int8"),)
+        if self.quantization == "gguf" and not formats:
+            raise ValueError(
+                "quantization 'gguf' needs the file's weight formats (resolved at load)"
+            )
+        if self.quantization is None and formats:
+            raise ValueError(f"weight_formats {formats} given without a quantization")
+        for _, name in formats:
+            weight_format(name)  # ValueError naming the supported formats
+        object.__setattr__(self, "weight_formats", tuple(sorted(formats)))
+
+    def linear_format(self, name: str) -> str:
+        """The weight format of linear `name` (a layer's, `linear.EMBEDDING` or `LM_HEAD`)."""
+        formats = dict(self.weight_formats)
+        return formats.get(name) or formats.get(ALL_LINEARS) or dense_format(self.torch_dtype).name
+
+    def formats_used(self) -> frozenset[str]:
+        """Every weight format the programs' linears use (what their kernels are chosen for)."""
+        formats = dict(self.weight_formats)
+        dense = () if ALL_LINEARS in formats else (dense_format(self.torch_dtype).name,)
+        return frozenset([*formats.values(), *dense])
+
+    def formats_summary(self) -> str:
+        """What `cache lookup`, the registry and logs show: "q4_1 (embed_tokens, lm_head: q8_0)"."""
+        formats = dict(self.weight_formats)
+        if not formats:
+            return dense_format(self.torch_dtype).name
+        base = formats.pop(ALL_LINEARS, dense_format(self.torch_dtype).name)
+        by_format: dict[str, list[str]] = {}
+        for linear, fmt in formats.items():
+            by_format.setdefault(fmt, []).append(linear)
+        rest = "; ".join(f"{', '.join(names)}: {fmt}" for fmt, names in by_format.items())
+        return f"{base} ({rest})" if rest else base
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's element type."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
@@ -114,6 +186,7 @@ class RuntimeConfig:
         for name, value in known.items():
             if name.endswith("_buckets"):
                 known[name] = tuple(value)
+        known["weight_formats"] = tuple(tuple(p) for p in known.get("weight_formats", ()))
         return cls(**known)
 
 

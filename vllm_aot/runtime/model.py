@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.layers import rotary_cos_sin
@@ -120,7 +119,7 @@ class CompiledModel:
         program = self._program(key)
         write_kv = self.spans.wrap(self.kv.write, "write_kv")
         with self.spans("layers"):  # embedding and rotary included
-            hidden = F.embedding(token_ids, self.weights.embed)
+            hidden = self.weights.embed.rows(token_ids, self.config.torch_dtype)
             tap, real_positions = self._tap, positions[:num_real]
             if tap is not None:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
@@ -152,7 +151,8 @@ class CompiledModel:
         with self.spans("prepare_sampling"):
             tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
         w = self.weights
-        out = self._program(ProgramKey(kind, num_rows))(hidden, w.final_norm, w.lm_head, *tensors)
+        head = (hidden, w.final_norm, *w.lm_head.tensors)
+        out = self._program(ProgramKey(kind, num_rows))(*head, *tensors)
         return SamplerOutput(*(t[: len(sampling)] for t in out))
 
     def _prefill_layers(self, chunks: Sequence[PrefillChunk]):

@@ -22,6 +22,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec
 from vllm_aot.models.formats import dense_format, weight_format
 from vllm_aot.models.layers import prefill_attention, rms_norm
+from vllm_aot.models.linear import LM_HEAD
 from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import LayerWeights
 from vllm_aot.runtime.config import RuntimeConfig
@@ -69,8 +70,9 @@ def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
 
 
 def layer_spec(arch: ModelArch, config: RuntimeConfig) -> LayerSpec:
-    """The layer's parameters in the programs' weight format (the dense one of the dtype)."""
-    return family_of(arch).layer_spec(arch, dense_format(config.torch_dtype).name)
+    """The layer's parameters, each linear in the weight format the configuration gives it."""
+    dense = dense_format(config.torch_dtype).name
+    return family_of(arch).layer_spec(arch, dense).with_formats(config.linear_format)
 
 
 def flatten_weights(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
@@ -114,7 +116,8 @@ class Layer(nn.Module):
 
 
 class Head(nn.Module):
-    """(hidden, final_norm, lm_head, *SamplingTensors) -> the `SamplerOutput` fields, in order.
+    """(hidden, final_norm, *lm_head, *SamplingTensors) -> the `SamplerOutput` fields, in order,
+    where `lm_head` is the head's stored tensors in its weight format.
 
     The raw float32 logits are among the outputs because the sampler computes them anyway; the
     caller reads them only for rows processed on the host and for validation.
@@ -126,11 +129,14 @@ class Head(nn.Module):
         self.is_greedy = is_greedy
         self.num_logprobs = config.num_logprobs
         self.num_candidates = config.num_sampling_candidates
-        self.linear = dense_format(config.torch_dtype).kernel(cpu_features()).apply
+        fmt = weight_format(config.linear_format(LM_HEAD))
+        self.num_head_tensors = len(fmt.tensor_names)
+        self.linear = fmt.kernel(cpu_features()).apply
 
-    def forward(self, hidden, final_norm, lm_head, *sampling) -> tuple[torch.Tensor, ...]:
+    def forward(self, hidden, final_norm, *rest) -> tuple[torch.Tensor, ...]:
+        lm_head, sampling = rest[: self.num_head_tensors], rest[self.num_head_tensors :]
         t = SamplingTensors(*sampling)
-        logits = self.linear(rms_norm(hidden, final_norm, self.eps), lm_head)
+        logits = self.linear(rms_norm(hidden, final_norm, self.eps), *lm_head, None)
         logits = logits.float()
         out = sample_rows(
             logits,
@@ -143,7 +149,7 @@ class Head(nn.Module):
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
-    load_used(config.torch_dtype)  # programs call our ops by name
+    load_used(config.formats_used())  # programs call our ops by name
     if key.is_layer:
         return Layer(arch, config, is_prefill=key.kind is ProgramKind.PREFILL)
     return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
@@ -179,10 +185,11 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
             *flatten_weights(weights),
         )
     rows = key.size
+    lm_head = weight_format(config.linear_format(LM_HEAD))
     return (
         torch.zeros(rows, arch.hidden_size, dtype=dt),
         torch.ones(arch.hidden_size, dtype=dt),
-        torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dt),
+        *lm_head.example(arch.vocab_size, arch.hidden_size),
         torch.ones(rows),
         torch.zeros(rows, dtype=i64),
         torch.ones(rows),
