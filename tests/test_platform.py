@@ -85,3 +85,18 @@ def test_logprobs_the_head_does_not_compute_are_refused_in_the_front_end(params)
     (name,) = params
     with pytest.raises(VLLMValidationError, match=f"vllm-aot does not return {name}"):
         AotPlatform.validate_request({"type": "token"}, SamplingParams(**params))
+
+
+def test_int8_quantization_is_a_vllm_flag_that_reaches_the_runtime(tiny_model_dir):
+    """`--quantization int8` passes vLLM's validation (our registered name) and becomes every
+    linear's weight format in the compiled configuration."""
+    from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+
+    config = engine_config(tiny_model_dir, quantization="int8")
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert runtime.quantization == "int8" and runtime.formats_summary() == "int8"
+
+
+def test_a_quantization_we_do_not_run_is_refused_naming_ours(tiny_model_dir):
+    with pytest.raises(ValueError, match="(supported: int8, gguf)|not supported"):
+        engine_config(tiny_model_dir, quantization="fp8_per_tensor")

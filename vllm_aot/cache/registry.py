@@ -37,15 +37,16 @@ from vllm_aot.runtime.config import RuntimeConfig
 logger = logging.getLogger(__name__)
 
 # Fields a user may pin when selecting (serve flags), with the registry field they compare to.
-SELECTABLE = (
+RUNTIME_SELECTABLE = (
     "max_num_seqs",
     "max_model_len",
     "block_size",
     "max_num_batched_tokens",
     "dtype",
-    "tensor_parallel_size",
-)
-RUNTIME_SELECTABLE = tuple(name for name in SELECTABLE if name != "tensor_parallel_size")
+)  # every record holds these
+# Fields records written before they existed lack: their value there.
+_LATER_FIELDS = {"quantization": "none", "kv_cache_dtype": "auto"}
+SELECTABLE = (*RUNTIME_SELECTABLE, *_LATER_FIELDS, "tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,12 @@ class CompiledConfiguration:
         return digest(fields, 16)
 
     def value(self, name: str) -> Any:
-        return self.tensor_parallel_size if name == "tensor_parallel_size" else self.runtime[name]
+        """A selectable field; quantization "none" for dense weights."""
+        if name == "tensor_parallel_size":
+            return self.tensor_parallel_size
+        if name in _LATER_FIELDS:
+            return self.runtime.get(name) or _LATER_FIELDS[name]
+        return self.runtime[name]
 
     @property
     def incompatibility(self) -> str | None:
@@ -262,7 +268,8 @@ def select_configuration(
 
 def describe_rows(entries: list[CompiledConfiguration]) -> list[list[str]]:
     """Header + one row per configuration, for `vllm-aot cache lookup` and error messages."""
-    rows = [["batch", "max len", "block", "chunk", "dtype", "TP", "target", "versions", "where"]]
+    rows = [["batch", "max len", "block", "chunk", "dtype", "weights", "KV", "TP", "target"]]
+    rows[0] += ["versions", "where"]
     for e in entries:
         r = e.runtime
         rows.append(
@@ -272,6 +279,8 @@ def describe_rows(entries: list[CompiledConfiguration]) -> list[list[str]]:
                 str(r["block_size"]),
                 str(r["max_num_batched_tokens"]),
                 r["dtype"],
+                RuntimeConfig.from_dict(r).formats_summary(),
+                e.value("kv_cache_dtype"),
                 str(e.tensor_parallel_size),
                 e.target,
                 f"torch {e.torch}, vllm-aot {e.vllm_aot}"

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.runtime.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def resolve_model(name: str | None, cache=None) -> Path:
@@ -47,6 +48,10 @@ def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="largest prefill chunk")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES]
+    )
     g.add_argument("--backend", default=backend, choices=["inductor", "eager"])
     g.add_argument("--decode-batch-buckets", type=int_list, default=())
     g.add_argument("--decode-context-buckets", type=int_list, default=(), help="tokens")
@@ -55,7 +60,8 @@ def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor
     g.add_argument("--num-kv-blocks", type=int, default=None)
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, model_dir: Path):
+    from vllm_aot.models.gguf import resolve_weight_formats
     from vllm_aot.runtime.config import RuntimeConfig
 
     try:
@@ -71,6 +77,9 @@ def config_from_args(args: argparse.Namespace):
             prefill_token_buckets=args.prefill_token_buckets,
             prefill_context_buckets=args.prefill_context_buckets,
             num_kv_blocks=args.num_kv_blocks,
+            quantization=args.quantization,
+            weight_formats=resolve_weight_formats(model_dir, args.quantization),
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
@@ -81,6 +90,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=None, help="max sequences per step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="gguf: the model's .gguf blocks as they are (the bundled model's default); int8: "
+        "every linear quantised at load (default: dense weights; for the bundled model, gguf "
+        "unless --dtype is given)",
+    )
+    g.add_argument("--kv-cache-dtype", default=None, choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES])
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported")
     g = parser.add_argument_group("data parallelism")
     g.add_argument("--data-parallel-size", type=int, default=1, help="replicas behind a proxy")
@@ -135,5 +153,5 @@ def load_from_args(args: argparse.Namespace):
     from vllm_aot.loading.startup import load_model
 
     model_dir = resolve_model(args.model)
-    config = None if is_artifact_dir(model_dir) else config_from_args(args)
+    config = None if is_artifact_dir(model_dir) else config_from_args(args, model_dir)
     return model_dir, *load_model(model_dir, config)

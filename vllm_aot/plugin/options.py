@@ -2,7 +2,8 @@
 
 Sources, in order: an exported artifact directory given as the model (its manifest fixes every
 shape); vLLM's own flags where the user set them (--max-model-len, --max-num-seqs,
---max-num-batched-tokens, --block-size, --dtype); `--additional-config` keys named like
+--max-num-batched-tokens, --block-size, --dtype, --quantization: each linear's weight format is
+resolved here, from the model's .gguf for gguf); `--additional-config` keys named like
 RuntimeConfig fields (`backend`, `decode_batch_buckets`, ...) plus the cache options
 (`cache_dir`, `remote_cache`, `cache_upload`, `require_cached`); otherwise our defaults. The
 platform resolves them in the front-end process and stores the result in
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
+from vllm_aot.models.gguf import resolve_weight_formats
 from vllm_aot.runtime.config import RuntimeConfig
 
 RESOLVED_KEY = "vllm_aot"
@@ -71,6 +73,7 @@ def resolve_options(
     *,
     model: str,
     dtype: Any,
+    quantization: str | None = None,
     max_model_len: int,
     is_max_model_len_set: bool,
     max_num_seqs: int,
@@ -103,6 +106,8 @@ def resolve_options(
         else min(max_model_len, DEFAULT_MAX_MODEL_LEN),
         "dtype": _dtype_name(dtype),
     }
+    if quantization is not None:
+        fields["quantization"] = quantization
     if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
         fields["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:
@@ -115,4 +120,6 @@ def resolve_options(
             fields[name] = tuple(value)
     default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
     fields.setdefault("max_num_batched_tokens", min(default_chunk, fields["max_model_len"]))
+    if fields.get("quantization") and not fields.get("weight_formats"):
+        fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"])
     return AotOptions(runtime=RuntimeConfig(**fields), **options)

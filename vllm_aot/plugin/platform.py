@@ -14,12 +14,14 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import supported_architectures
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import RESOLVED_KEY, resolve_options
+from vllm_aot.runtime.config import QUANTIZATIONS
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -45,8 +47,10 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append("LoRA adapters")
     if model_config.runner_type != "generate":
         problems.append(f"runner {model_config.runner_type!r} (only 'generate')")
-    if model_config.quantization:
-        problems.append(f"quantization {model_config.quantization!r}")
+    if model_config.quantization not in (None, *QUANTIZATIONS):
+        problems.append(
+            f"--quantization {model_config.quantization} (supported: {', '.join(QUANTIZATIONS)})"
+        )
     if model_config.is_multimodal_model:
         problems.append("multimodal models")
     if model_config.enable_prompt_embeds:
@@ -103,6 +107,8 @@ def _stats_file() -> str:
 
 class AotPlatform(CpuPlatform):
     device_name = "cpu"
+    # vLLM checks --quantization against this list (`plugin/quantization.py` registers the names).
+    supported_quantization: ClassVar[list[str]] = list(QUANTIZATIONS)
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -116,6 +122,7 @@ class AotPlatform(CpuPlatform):
         options = resolve_options(
             model=model_config.model,
             dtype=model_config.dtype,
+            quantization=model_config.quantization,
             max_model_len=model_config.max_model_len,
             is_max_model_len_set=model_config.original_max_model_len is not None,
             max_num_seqs=scheduler_config.max_num_seqs,
@@ -155,10 +162,11 @@ class AotPlatform(CpuPlatform):
         extra[RESOLVED_KEY] = options.to_dict()
         vllm_config.additional_config = extra
         logger.info(
-            "vllm-aot: %s backend, %s, max_num_seqs=%d, max_model_len=%d, block_size=%d, "
-            "prefill chunks %s, decode batches %s, decode contexts %s%s",
+            "vllm-aot: %s backend, %s, weights %s, max_num_seqs=%d, max_model_len=%d, "
+            "block_size=%d, prefill chunks %s, decode batches %s, decode contexts %s%s",
             runtime.backend,
             runtime.dtype,
+            runtime.formats_summary(),
             runtime.max_num_seqs,
             runtime.max_model_len,
             runtime.block_size,

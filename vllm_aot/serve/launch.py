@@ -37,7 +37,7 @@ from vllm_aot.serve.replicas import (
     RestartPolicy,
     thread_env,
 )
-from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config
+from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config, flag_value
 
 
 def server_command(
@@ -50,6 +50,21 @@ def server_command(
         command += ["--served-model-name", served_name]
     command += ["--additional-config", json.dumps(chosen.additional_config)]
     return [*command, *chosen.vllm_args]
+
+
+def default_quantization(args: argparse.Namespace, passthrough: list[str]) -> str | None:
+    """gguf for the bundled model (its GGUF is what it is: dequantised weights gain no accuracy
+    and cost 2.5x the reads) unless a dtype or quantization is asked for; else none."""
+    asked = (
+        args.dtype
+        or flag_value(passthrough, "--dtype")
+        or flag_value(passthrough, "--quantization")
+    )
+    return "gguf" if is_bundled(args.model) and not asked else None
+
+
+def is_bundled(model: str | None) -> bool:
+    return model in (None, "", "default", DEFAULT_MODEL_NAME)
 
 
 def choose_from_args(
@@ -73,6 +88,8 @@ def choose_from_args(
         batch_size=args.batch_size,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        quantization=args.quantization or default_quantization(args, passthrough),
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     pick = None
@@ -124,8 +141,7 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(chosen.describe(), flush=True)
-    is_bundled = args.model in (None, "", "default", DEFAULT_MODEL_NAME)
-    served_name = DEFAULT_MODEL_NAME if is_bundled else None
+    served_name = DEFAULT_MODEL_NAME if is_bundled(args.model) else None
     env = dict(os.environ)
     # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

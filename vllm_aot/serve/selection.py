@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vllm_aot.runtime.config import KV_CACHE_ALIASES
 from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value
 
 DEFAULT_DTYPE = "bfloat16"  # vLLM's "auto" on a CPU for float32 and bfloat16 checkpoints
@@ -34,6 +35,10 @@ def requested_shapes(flags: ShapeFlags, passthrough: tuple[str, ...]) -> dict[st
         pinned["max_model_len"] = flags.max_model_len
     dtype = flags.dtype or flag_value(passthrough, "--dtype")
     pinned["dtype"] = DEFAULT_DTYPE if dtype in (None, "auto") else dtype
+    pinned["quantization"] = flags.quantization or flag_value(passthrough, "--quantization")
+    pinned["quantization"] = pinned["quantization"] or "none"
+    kv = flags.kv_cache_dtype or flag_value(passthrough, "--kv-cache-dtype") or "auto"
+    pinned["kv_cache_dtype"] = KV_CACHE_ALIASES.get(kv, kv)
     pinned["tensor_parallel_size"] = flags.tensor_parallel_size
     return pinned
 

@@ -19,6 +19,8 @@ _SHAPE_FLAGS = {
     "batch_size": ("--max-num-seqs", "max_num_seqs"),
     "max_model_len": ("--max-model-len", "max_model_len"),
     "dtype": ("--dtype", "dtype"),
+    "quantization": ("--quantization", "quantization"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "kv_cache_dtype"),
 }
 # vLLM flags that an exported directory's manifest fixes, besides the three above.
 _MANIFEST_ONLY_FLAGS = {
@@ -29,6 +31,8 @@ _DEFAULTS = {
     "batch_size": "32 (vllm-aot default)",
     "max_model_len": "2048, or the model's limit if smaller (vllm-aot default)",
     "dtype": "the model's (vLLM's auto)",
+    "quantization": "none (the checkpoint's dense weights in dtype)",
+    "kv_cache_dtype": "auto (the dtype)",
 }
 
 
@@ -39,6 +43,8 @@ class ShapeFlags:
     batch_size: int | None = None
     max_model_len: int | None = None
     dtype: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
     tensor_parallel_size: int = 1
 
 
@@ -176,7 +182,8 @@ def choose_config(
         reasons.append(registry_choice.why)
     for name, (vllm_flag, key) in _SHAPE_FLAGS.items():
         ours, theirs = given[name]
-        picked = registry_choice.runtime[key] if registry_choice else None
+        picked = registry_choice.runtime.get(key) if registry_choice else None
+        picked = None if picked == "auto" else picked  # vLLM's default: nothing to pass
         if ours is not None:
             shape_args += [vllm_flag, str(ours)]
             reasons.append(f"{name} = {ours} (from --{name.replace('_', '-')})")
@@ -202,6 +209,8 @@ def _from_manifest(
     where = f"exported directory {artifact_dir}" if artifact_dir else "exported directory"
     conflicts = []
     for name, (vllm_flag, key) in _SHAPE_FLAGS.items():
+        if key not in shapes:  # exported before the field existed: its default
+            continue
         for text, label in zip(
             given[name], (f"--{name.replace('_', '-')}", vllm_flag), strict=True
         ):
@@ -217,6 +226,6 @@ def _from_manifest(
             "Drop them, or export again with the configuration you need."
         )
     reasons = [
-        f"{name} = {shapes[key]} (from the {where})" for name, (_, key) in _SHAPE_FLAGS.items()
+        f"{name} = {shapes.get(key)} (from the {where})" for name, (_, key) in _SHAPE_FLAGS.items()
     ]
     return ChosenConfig(passthrough, config, (*reasons, "tensor_parallel_size = 1"))
