@@ -32,6 +32,8 @@ from vllm_aot.runtime.scheduler import Scheduler
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from vllm_aot.accuracy.quantized import Simulation
+
 TokenIds = Sequence[int]
 
 
@@ -49,29 +51,40 @@ class HFReference:
     The models are private copies: their generation config is replaced by a neutral one (no
     repetition penalty or other logits processors), so `greedy` is plain argmax decoding. Greedy
     continuations are remembered too (HF generation is the slow part of a validation run).
+
+    `simulate` (`accuracy/quantized.py`) turns the checkpoint's weights into the ones our
+    configuration holds (int8 quantised at load); every model is simulated but those asked for
+    with `original=True` (the three-way baseline).
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, simulate: Simulation | None = None) -> None:
         self.model_dir = Path(model_dir)
-        self._models: dict[torch.dtype, PreTrainedModel] = {}
+        self.simulate = simulate
+        self._models: dict[tuple[torch.dtype, bool], PreTrainedModel] = {}
         self._continuations: dict[tuple[tuple[int, ...], int, torch.dtype], tuple[int, ...]] = {}
 
-    def model(self, dtype: torch.dtype | str = torch.float32) -> PreTrainedModel:
-        """The HF model in `dtype`, in eval mode (loaded on first use)."""
+    def model(self, dtype: torch.dtype | str = torch.float32, original: bool = False):
+        """The HF model in `dtype`, in eval mode (loaded on first use); on our weights unless
+        `original`."""
         dtype = _torch_dtype(dtype)
-        if dtype not in self._models:
+        simulated = self.simulate is not None and not original
+        if (dtype, simulated) not in self._models:
             from transformers import AutoModelForCausalLM, GenerationConfig
 
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
             model.eval()
             pad = model.config.pad_token_id
             model.generation_config = GenerationConfig(pad_token_id=0 if pad is None else pad)
-            self._models[dtype] = model
-        return self._models[dtype]
+            if simulated:
+                self.simulate(model)
+            self._models[dtype, simulated] = model
+        return self._models[dtype, simulated]
 
-    def logits(self, token_ids: TokenIds, dtype: torch.dtype | str = torch.float32) -> torch.Tensor:
+    def logits(
+        self, token_ids: TokenIds, dtype: torch.dtype | str = torch.float32, original: bool = False
+    ) -> torch.Tensor:
         """Teacher-forced logits, [len(token_ids), vocab] float32: row i predicts token i + 1."""
-        model = self.model(dtype)
+        model = self.model(dtype, original)
         with torch.inference_mode():
             out = model(input_ids=torch.tensor([list(token_ids)]), use_cache=False)
         return out.logits[0].float()

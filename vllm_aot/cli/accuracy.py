@@ -77,6 +77,7 @@ def run_validate(
 
     from vllm_aot.accuracy.comparison import parse_tolerances
     from vllm_aot.accuracy.logits import greedy_match, validate
+    from vllm_aot.accuracy.quantized import simulation_for
     from vllm_aot.accuracy.teacher_forcing import HFReference
 
     try:
@@ -84,7 +85,7 @@ def run_validate(
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     console = Console()
-    reference = HFReference(model_dir)
+    reference = HFReference(model_dir, simulation_for(model.arch, model.config))
     prompts, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
     dtype = model.config.dtype
     three_way = dtype != "float32"
@@ -138,9 +139,10 @@ def run_capture(
     """Capture ours and HF (in our dtype) for one teacher-forced prompt into out_dir/{ours,hf},
     print the comparison; exit 1 when a module diverges."""
     from vllm_aot.accuracy.capture import capture_hf, capture_ours, select
+    from vllm_aot.accuracy.quantized import simulation_for
     from vllm_aot.accuracy.teacher_forcing import HFReference
 
-    reference = HFReference(model_dir)
+    reference = HFReference(model_dir, simulation_for(model.arch, model.config))
     _, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
     if not 0 <= prompt_index < len(sequences):
         raise SystemExit(f"error: --prompt {prompt_index}: choose 0..{len(sequences) - 1}")
@@ -193,9 +195,10 @@ def run_kv(
     from rich.console import Console
 
     from vllm_aot.accuracy.kv_analysis import analyse_kv
+    from vllm_aot.accuracy.quantized import simulation_for
     from vllm_aot.accuracy.teacher_forcing import HFReference
 
-    reference = HFReference(model_dir)
+    reference = HFReference(model_dir, simulation_for(model.arch, model.config))
     _, sequences = load_sequences(model_dir, prompts_file, reference, num_tokens)
     if not 0 <= prompt_index < len(sequences):
         raise SystemExit(f"error: --prompt {prompt_index}: choose 0..{len(sequences) - 1}")
