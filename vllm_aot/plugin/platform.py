@@ -111,6 +111,14 @@ class AotPlatform(CpuPlatform):
     supported_quantization: ClassVar[list[str]] = list(QUANTIZATIONS)
 
     @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        if quant not in QUANTIZATIONS:
+            raise ValueError(
+                f"vllm-aot does not support --quantization {quant} "
+                f"(supported: {', '.join(QUANTIZATIONS)})"
+            )
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         if model_config is None:  # bare configs built by vLLM internals and tests
