@@ -119,3 +119,21 @@ def test_stats_file_writes_the_last_counters_on_close(model, tmp_path):
     assert scrape(path).get('vllm_aot:bucket_rows_total{kind="decode",slot="real"}') == 0
     stats_file.close()
     assert scrape(path)['vllm_aot:bucket_rows_total{kind="decode",slot="real"}'] == 1
+
+
+def test_metrics_name_the_configurations_weights_and_kv(tmp_path):
+    from vllm_aot.loading.programs import LoadReport
+    from vllm_aot.plugin.metrics import load_stats
+    from vllm_aot.runtime.config import RuntimeConfig
+
+    config = RuntimeConfig(
+        quantization="gguf",
+        weight_formats=(("*", "q4_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0")),
+    )
+    path = tmp_path / "stats.json"
+    StatsFile(path, load_stats(LoadReport(), config))
+    info = (
+        'vllm_aot:configuration_info{dtype="bfloat16",kv_cache_dtype="auto",'
+        'weights="q4_1 (embed_tokens, lm_head: q8_0)"}'
+    )
+    assert scrape(path)[info] == 1

@@ -8,6 +8,9 @@ a background thread at most once a second while the counters change, and once wh
 shuts down (if vLLM lets it: its default `--shutdown-timeout 0` kills the engine, and the front
 end goes with it). A scrape lags the engine by up to a second.
 
+The configuration: `vllm_aot:configuration_info{dtype,weights,kv_cache_dtype}` (1), e.g.
+`weights="q4_1 (embed_tokens, lm_head: q8_0)"` for the bundled GGUF.
+
 Start-up (compile cache):
 - `vllm_aot:cache_hits_total{tier="local|remote|artifact"}`, `vllm_aot:cache_misses_total`;
 - `vllm_aot:compile_seconds_total`, `vllm_aot:remote_fetch_seconds_total`,
@@ -38,10 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 
 from vllm_aot.files import write_json_atomic
 from vllm_aot.loading.programs import LoadReport
+from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.step_stats import LAYER_KINDS
 
@@ -51,8 +60,13 @@ WRITE_INTERVAL_S = 1.0
 _SLOTS = ("real", "padding")
 
 
-def load_stats(report: LoadReport) -> dict[str, Any]:
+def load_stats(report: LoadReport, config: RuntimeConfig) -> dict[str, Any]:
     return {
+        "configuration": {
+            "dtype": config.dtype,
+            "weights": config.formats_summary(),
+            "kv_cache_dtype": config.kv_cache_dtype,
+        },
         "hits": {tier: report.count(tier) for tier in ("local", "remote", "artifact")},
         "misses": report.count("compiled"),
         "compile_seconds": sum(report.compiled.values()),
@@ -191,6 +205,12 @@ def _step_families(stats: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _load_families(load: dict[str, Any]) -> Iterator[Metric]:
+    if "configuration" in load:
+        info = InfoMetricFamily(
+            "vllm_aot:configuration", "What the programs compute with: dtype, weights, KV"
+        )
+        info.add_metric([], load["configuration"])
+        yield info
     hits = CounterMetricFamily(
         "vllm_aot:cache_hits", "Compiled programs found in a cache tier", labels=["tier"]
     )

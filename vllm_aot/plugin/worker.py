@@ -72,7 +72,9 @@ class AotWorker(WorkerBase):
         )
         self.arch = self.loaded.arch
         if options.stats_file:
-            self.stats_file = StatsFile(options.stats_file, load_stats(self.loaded.report))
+            self.stats_file = StatsFile(
+                options.stats_file, load_stats(self.loaded.report, self.loaded.config)
+            )
 
     def get_kv_cache_spec(self) -> dict:
         runtime = self.options.runtime
