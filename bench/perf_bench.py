@@ -1,19 +1,23 @@
 """Serving performance side by side: vllm-aot, vLLM's own CPU backend and llama.cpp, in one run.
 
     .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128]
-                                         [--systems ours,vllm,llamacpp] [--dtype bfloat16]
+                                         [--systems ours,ours-bf16,vllm,llamacpp]
+                                         [--dtype bfloat16]
                                          [--llamacpp-server native|python]
 
 Each system is started once (start-up: launch to its first successful health request), then
 driven by `vllm bench serve` (random data, ignore-eos, streaming /v1/completions) for every case
 and concurrency, with `--prompts-per-stream` prompts per concurrent stream and one seed per run
 (the same prompts for every system, no prompt repeated from an earlier run). Ours is `vllm-aot
-serve` (programs from the compile cache); vLLM's is the same vLLM with our plugin off
+serve` on the bundled GGUF's blocks (`--quantization gguf`, its default; `ours-bf16`, not run
+by default, serves the same weights dequantised to the dtype), programs from the compile cache;
+vLLM's is the same vLLM with our plugin off
 (`VLLM_PLUGINS=none`) at its better core setting (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`,
 docs/benchmarking.md); llama.cpp is the build of scripts/setup_llamacpp.sh serving the bundled
 GGUF itself (bench/llamacpp.py: which server, its quirks), included by default when built. Prints
 output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios, and for ours the
-padding waste of each run (decode rows and prefill tokens, from our counters on /metrics).
+padding waste of each run (decode rows and prefill tokens, from our counters on /metrics), and
+each server's memory (proportional set size of all its processes) after its runs.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from serve_bench import run_vllm_bench
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-SYSTEMS = ("ours", "vllm", "llamacpp")
+SYSTEMS = ("ours", "ours-bf16", "vllm", "llamacpp")
+DEFAULT_SYSTEMS = ("ours", "vllm", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,11 @@ class Server:
 
 
 def server(system: str, model: Path, port: int, args) -> Server:
-    if system == "ours":
+    if system.startswith("ours"):
         command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--port", str(port)]
-        return Server((*command, "--dtype", args.dtype))
+        if system == "ours":  # the bundled GGUF's blocks as they are: serve's default
+            return Server((*command, "--quantization", "gguf", "--dtype", args.dtype))
+        return Server((*command, "--dtype", args.dtype))  # dequantised to the dtype
     if system == "vllm":
         vllm_args = ["--served-model-name", DEFAULT_MODEL_NAME, "--max-model-len", "2048",
                      "--gpu-memory-utilization", "0.5", "--dtype", args.dtype]  # fmt: skip
@@ -167,7 +174,7 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
             )
             tag = f"{system}-{case}-c{concurrency}"
             detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
-            counters = padding_counters(url) if system == "ours" else {}
+            counters = padding_counters(url) if system.startswith("ours") else {}
             r = run_vllm_bench(
                 url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
                 seed=seed, extra_args=(*spec.bench_args, *detailed),
@@ -186,10 +193,32 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
                     mean_tpot_ms=r["mean_tpot_ms"],
                     p99_tpot_ms=r["p99_tpot_ms"],
                 )
-            if system == "ours":
+            if system.startswith("ours"):
                 time.sleep(1.5)  # the worker writes its counters about once a second
                 print(f"{tag}: {padding_waste(counters, padding_counters(url))}")
-    return startup, results
+        memory = server_memory(port)
+    return startup, results, memory
+
+
+def server_memory(port: int) -> float:
+    """Proportional set size (MB) of the process listening on `port` and all its descendants
+    (vLLM's API server and engine core; llama-server alone): shared pages counted once."""
+    import psutil
+
+    listeners = [
+        c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"
+    ]
+    if not listeners:
+        return float("nan")
+    root = psutil.Process(listeners[0])
+    processes = [root, *root.children(recursive=True)]
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total / 1e6
 
 
 def choose_systems(args) -> list[str]:
@@ -198,7 +227,7 @@ def choose_systems(args) -> list[str]:
         if args.llamacpp is None:
             print(f"llamacpp skipped: no build in {BUILD_DIR} (scripts/setup_llamacpp.sh)")
             return ["ours", "vllm"]
-        return list(SYSTEMS)
+        return list(DEFAULT_SYSTEMS)
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         raise SystemExit(f"error: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
@@ -240,10 +269,16 @@ def print_table(runs: dict, systems: list[str], args) -> None:
     console.print(table)
     for system in systems:
         weights = f"{args.dtype}, dequantised from the bundled GGUF"
+        gguf = find_default_gguf()
+        if system == "ours":
+            weights = f"the bundled GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} activations"
         if system == "llamacpp":
-            gguf = find_default_gguf()
             weights = f"{args.llamacpp.label}, the bundled GGUF itself ({gguf_file_type(gguf)})"
-        console.print(f"{system}: {weights}; start-up {runs[system][0]:.1f} s")
+        startup, _, memory = runs[system]
+        console.print(
+            f"{system}: {weights}; start-up {startup:.1f} s; "
+            f"server memory {memory:.0f} MB (PSS, all its processes)"
+        )
 
 
 def main() -> None:
