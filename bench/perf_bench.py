@@ -205,9 +205,8 @@ def server_memory(port: int) -> float:
     (vLLM's API server and engine core; llama-server alone): shared pages counted once."""
     import psutil
 
-    listeners = [
-        c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"
-    ]
+    connections = psutil.net_connections("tcp")
+    listeners = [c.pid for c in connections if c.laddr.port == port and c.status == "LISTEN"]
     if not listeners:
         return float("nan")
     root = psutil.Process(listeners[0])
@@ -271,7 +270,7 @@ def print_table(runs: dict, systems: list[str], args) -> None:
         weights = f"{args.dtype}, dequantised from the bundled GGUF"
         gguf = find_default_gguf()
         if system == "ours":
-            weights = f"the bundled GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} activations"
+            weights = f"the bundled GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} compute"
         if system == "llamacpp":
             weights = f"{args.llamacpp.label}, the bundled GGUF itself ({gguf_file_type(gguf)})"
         startup, _, memory = runs[system]
