@@ -4,7 +4,11 @@ Prints, in one run on this machine: compile seconds per program and in total, lo
 exported directory, prefill tokens/s, decode tokens/s at batch 1, 8 and 32, and the same figures
 for HF transformers (eager, same dtype) with our/HF ratios.
 
-    .venv/bin/python bench/runtime_bench.py [--dtype bfloat16] [--artifact DIR] [--steps 32]
+    .venv/bin/python bench/runtime_bench.py [--dtype bfloat16] [--quantization gguf|int8]
+                                            [--artifact DIR] [--steps 32]
+
+Also the batch-1 decode step's time beside the time reading its weights once would take at
+this machine's measured read bandwidth (`machine.py`): the share of the bandwidth it reaches.
 
 --artifact reuses (or creates) an exported directory; without it, the export goes to a fresh
 temporary directory so compile time is measured from scratch.
@@ -19,13 +23,15 @@ import time
 from pathlib import Path
 
 import torch
+from machine import read_bandwidth_gbs
 from rich.console import Console
 from rich.table import Table
 
 from vllm_aot.loading.artifacts import export_model, is_artifact_dir
 from vllm_aot.loading.startup import load_model
+from vllm_aot.models.gguf import resolve_weight_formats
 from vllm_aot.models.prepare import prepare_default_model
-from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.config import QUANTIZATIONS, RuntimeConfig
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
 from vllm_aot.runtime.sampler import SamplingParams
@@ -111,6 +117,7 @@ def time_hf(model_dir: Path, dtype: torch.dtype, steps: int, prefill_len: int, r
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     parser.add_argument("--artifact", type=Path, help="exported directory to reuse or create")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch")
     parser.add_argument("--prefill-len", type=int, default=512)
@@ -120,7 +127,11 @@ def main() -> None:
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
 
     model_dir = prepare_default_model()
-    config = RuntimeConfig(dtype=args.dtype)
+    config = RuntimeConfig(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        weight_formats=resolve_weight_formats(model_dir, args.quantization),
+    )
     with tempfile.TemporaryDirectory(prefix="vllm-aot-bench-") as tmp:
         artifact = args.artifact or Path(tmp) / "smollm2"
         compile_seconds, export_wall = {}, 0.0
@@ -154,7 +165,19 @@ def main() -> None:
         f"({len(load_report.loaded)} programs in {sum(load_report.loaded.values()):.2f} s, "
         f"weights {load_report.weights_bytes / 1e6:.0f} MB in {load_report.weights_seconds:.2f} s)"
     )
-    table = Table(title=f"SmolLM2-135M-Instruct, {args.dtype}, tokens/s (higher is better)")
+    bandwidth = read_bandwidth_gbs()
+    step_ms = 1000 / ours["decode_b1"]
+    floor_ms = load_report.weights_bytes / bandwidth / 1e6
+    console.print(
+        f"batch-1 decode step: {step_ms:.2f} ms; its weights ({load_report.weights_bytes / 1e6:.0f}"
+        f" MB, {config.formats_summary()}) read once at the measured {bandwidth:.1f} GB/s take "
+        f"{floor_ms:.2f} ms: the step reads them at {100 * floor_ms / step_ms:.0f} % of the "
+        "bandwidth"
+    )
+    weights = config.formats_summary()
+    table = Table(
+        title=f"SmolLM2-135M-Instruct, {args.dtype}, {weights}, tokens/s (higher is better)"
+    )
     for column in ("measure", "vllm-aot", "HF eager", "ratio"):
         table.add_column(column, justify="right" if column != "measure" else "left")
     labels = {"prefill": f"prefill, {args.prefill_len}-token prompt"}
