@@ -179,7 +179,13 @@ def load_weights_timed(
     model_dir: str | Path, arch: ModelArch, config: RuntimeConfig, report: LoadReport
 ) -> ModelWeights:
     start = time.perf_counter()
-    weights = load_weights(model_dir, arch, config.torch_dtype, formats=config.linear_format)
+    weights = load_weights(
+        model_dir,
+        arch,
+        config.torch_dtype,
+        formats=config.linear_format,
+        quantization=config.quantization,
+    )
     report.weights_seconds = time.perf_counter() - start
     report.weights_bytes = weights.num_bytes()
     return weights
