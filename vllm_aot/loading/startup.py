@@ -27,8 +27,8 @@ from vllm_aot.loading.programs import (
     load_programs,
     load_weights_timed,
     prepare_kernels,
+    with_checkpoint_formats,
 )
-from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.registry import load_arch
 from vllm_aot.models.weights import ModelWeights
@@ -77,9 +77,7 @@ def start(
     else:
         weights_path = Path(source)
     arch = load_arch(source)
-    if not config.has_resolved_formats:
-        formats = resolve_weight_formats(weights_path, config.quantization, config.torch_dtype)
-        config = replace(config, weight_formats=formats)
+    config = with_checkpoint_formats(config, weights_path)
     check_fits(arch, config)
     options = replace(options, cache=options.cache or ProgramCache(CacheSettings.from_env()))
     paths = None
