@@ -29,7 +29,6 @@ from rich.table import Table
 
 from vllm_aot.loading.artifacts import export_model, is_artifact_dir
 from vllm_aot.loading.startup import load_model
-from vllm_aot.models.gguf import resolve_weight_formats
 from vllm_aot.models.prepare import prepare_default_model
 from vllm_aot.runtime.config import QUANTIZATIONS, RuntimeConfig
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
@@ -130,7 +129,6 @@ def main() -> None:
     config = RuntimeConfig(
         dtype=args.dtype,
         quantization=args.quantization,
-        weight_formats=resolve_weight_formats(model_dir, args.quantization),
     )
     with tempfile.TemporaryDirectory(prefix="vllm-aot-bench-") as tmp:
         artifact = args.artifact or Path(tmp) / "smollm2"

@@ -171,7 +171,7 @@ def test_a_start_loads_the_fetched_library_and_says_where_it_came_from(
         from vllm_aot.loading.prebuilt import ensure_kernels
         cache = ProgramCache(CacheSettings(root={str(tmp_path / "compiled")!r},
                                            remote_url={store.settings.remote_url!r}))
-        print(ensure_kernels(cache, torch.bfloat16))
+        print(ensure_kernels(cache, ["bf16"]))
         x, w = torch.randn(3, 64).bfloat16(), torch.randn(32, 64).bfloat16()
         print(torch.ops.vllm_aot.linear_bf16(x, w).shape)
         """

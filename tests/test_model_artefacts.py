@@ -26,6 +26,7 @@ from vllm_aot.runtime.programs import all_program_keys
 TIER_LOGGER = "vllm_aot.cache.remote_tier"
 
 ROOT = Path(__file__).resolve().parents[1]
+VERSION = prepare.FORMAT_VERSION  # of the conversion, in a prepared directory's marker
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +65,9 @@ def refuse_converting(monkeypatch) -> None:
 
 def test_a_fresh_machine_fetches_the_prepared_model(digest, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "converted-here"))
-    source = fake_prepared(tmp_path / "converted-here", {"format_version": 2, "digest": digest})
+    source = fake_prepared(
+        tmp_path / "converted-here", {"format_version": VERSION, "digest": digest}
+    )
     assert prebuilt.bundled_model(cache_for(tmp_path, upload=True)) == (source, "local")
     monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "fresh"))
     refuse_converting(monkeypatch)
@@ -77,7 +80,7 @@ def test_a_fresh_machine_fetches_the_prepared_model(digest, tmp_path, monkeypatc
 
 def test_an_older_marker_gets_its_digest_when_uploaded(digest, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "models"))
-    model_dir = fake_prepared(tmp_path / "models", {"format_version": 2, "source": "x.gguf"})
+    model_dir = fake_prepared(tmp_path / "models", {"format_version": VERSION, "source": "x.gguf"})
     assert prebuilt.sync_artefacts(cache_for(tmp_path), push=True, pull=False) == (1, 0)
     assert prepare.read_marker(model_dir)["digest"] == digest
     assert (tmp_path / "store" / f"artefacts/models/{digest}/config.json").is_file()
@@ -87,7 +90,7 @@ def test_a_corrupted_remote_model_is_ignored_and_converted_here(
     digest, tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "converted-here"))
-    fake_prepared(tmp_path / "converted-here", {"format_version": 2, "digest": digest})
+    fake_prepared(tmp_path / "converted-here", {"format_version": VERSION, "digest": digest})
     prebuilt.bundled_model(cache_for(tmp_path, upload=True))
     (tmp_path / "store" / f"artefacts/models/{digest}/config.json").write_text("{}")
     monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "fresh"))

@@ -60,8 +60,7 @@ def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor
     g.add_argument("--num-kv-blocks", type=int, default=None)
 
 
-def config_from_args(args: argparse.Namespace, model_dir: Path):
-    from vllm_aot.models.gguf import resolve_weight_formats
+def config_from_args(args: argparse.Namespace):
     from vllm_aot.runtime.config import RuntimeConfig
 
     try:
@@ -78,7 +77,6 @@ def config_from_args(args: argparse.Namespace, model_dir: Path):
             prefill_context_buckets=args.prefill_context_buckets,
             num_kv_blocks=args.num_kv_blocks,
             quantization=args.quantization,
-            weight_formats=resolve_weight_formats(model_dir, args.quantization),
             kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as exc:
@@ -153,5 +151,5 @@ def load_from_args(args: argparse.Namespace):
     from vllm_aot.loading.startup import load_model
 
     model_dir = resolve_model(args.model)
-    config = None if is_artifact_dir(model_dir) else config_from_args(args, model_dir)
+    config = None if is_artifact_dir(model_dir) else config_from_args(args)
     return model_dir, *load_model(model_dir, config)

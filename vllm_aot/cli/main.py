@@ -42,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vllm_aot.loading.artifacts import export_model
 
     model_dir = resolve_model(args.model, cache_from_args(args))
-    config = config_from_args(args, model_dir)
+    config = config_from_args(args)
     if args.compile_only:
         return _compile_only(model_dir, config, args)
     if args.output is None:

@@ -7,8 +7,9 @@ Layout of `vllm-aot export MODEL -o DIR`:
                                  last, so its presence means the export is complete
     DIR/programs/*.pt2           one AOTInductor package per program (code only, no weights)
     DIR/config.json, tokenizer*  copied, so DIR is also an HF directory for tokenizers and vLLM
-    DIR/*.safetensors            only with --copy-weights; otherwise the manifest references
-                                 the source directory
+    DIR/*.safetensors            only with --copy-weights (the `*.gguf` under quantization
+                                 "gguf"); otherwise the manifest references the source
+                                 directory
 
 Weights never live inside programs: they are loaded once at start-up and shared by all buckets.
 Compiled code runs only where it was built for: `open_artifact` refuses, before anything loads,
@@ -32,7 +33,14 @@ import vllm_aot
 from vllm_aot.cache.keys import arch_digest, cpu_target
 from vllm_aot.files import staged_path, write_json_atomic
 from vllm_aot.kernels import program_kernels
-from vllm_aot.loading.programs import LoadReport, ProgramOptions, check_fits, ensure_programs
+from vllm_aot.loading.programs import (
+    LoadReport,
+    ProgramOptions,
+    check_fits,
+    ensure_programs,
+    with_checkpoint_formats,
+)
+from vllm_aot.models.gguf import find_gguf
 from vllm_aot.models.registry import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
@@ -105,6 +113,7 @@ def export_model(
     start = time.perf_counter()
     model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir)
     arch = load_arch(model_dir)
+    config = with_checkpoint_formats(config, model_dir)
     check_fits(arch, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until rewritten
@@ -117,7 +126,7 @@ def export_model(
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out_dir / name)
     if copy_weights:
-        for path in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
+        for path in _weight_files(model_dir, config):
             shutil.copy2(path, out_dir / path.name)
     manifest = {
         "format": ARTIFACT_FORMAT,
@@ -134,6 +143,13 @@ def export_model(
     }
     write_json_atomic(out_dir / MANIFEST_NAME, manifest)
     return ExportReport(out_dir, report.compiled, time.perf_counter() - start)
+
+
+def _weight_files(model_dir: Path, config: RuntimeConfig) -> list[Path]:
+    """The files `config`'s checkpoint reads: the directory's GGUF, or its safetensors."""
+    if config.quantization == "gguf":
+        return [find_gguf(model_dir)]
+    return [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

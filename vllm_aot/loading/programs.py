@@ -7,12 +7,13 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.loading.prebuilt import ensure_kernels
 from vllm_aot.loading.progress import CompileProgress
+from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.weights import ModelWeights, load_weights
 from vllm_aot.runtime.backends import Program, eager_program, load_program
@@ -175,11 +176,26 @@ def _without_isa_probe() -> Iterator[None]:
         codecache.get_device_information = compared
 
 
+def with_checkpoint_formats(config: RuntimeConfig, model_dir: str | Path) -> RuntimeConfig:
+    """`config` with the weight formats its checkpoint stores, when it leaves them to the file
+    (quantization "gguf" with none given); unchanged otherwise."""
+    if config.has_resolved_formats:
+        return config
+    formats = resolve_weight_formats(model_dir, config.quantization, config.torch_dtype)
+    return replace(config, weight_formats=formats)
+
+
 def load_weights_timed(
     model_dir: str | Path, arch: ModelArch, config: RuntimeConfig, report: LoadReport
 ) -> ModelWeights:
     start = time.perf_counter()
-    weights = load_weights(model_dir, arch, config.torch_dtype, formats=config.linear_format)
+    weights = load_weights(
+        model_dir,
+        arch,
+        config.torch_dtype,
+        formats=config.linear_format,
+        quantization=config.quantization,
+    )
     report.weights_seconds = time.perf_counter() - start
     report.weights_bytes = weights.num_bytes()
     return weights

@@ -3,9 +3,10 @@ programs and weights -> `CompiledModel`.
 
 Every caller starts a model here: the vLLM worker, the CLI (`demo`, `validate`, `tensors`),
 benchmarks and tests. The order is fixed: what the source is (an exported directory fixes its
-configuration and never compiles), the fit check, the programs (exported, or from the compile
-cache, compiling what is missing unless `allow_compile` is False; before any, the kernels library
-they call: `prebuilt.py`), the weights, one summary line.
+configuration and never compiles), a GGUF's weight formats read from its file (quantization
+"gguf" with none given), the fit check, the programs (exported, or from the compile cache,
+compiling what is missing unless `allow_compile` is False; before any, the kernels library they
+call: `prebuilt.py`), the weights, one summary line.
 vLLM sizes the KV pool only after loading, so `start` returns the loaded parts and
 `LoadedModel.build(num_kv_blocks)` makes the model.
 """
@@ -26,6 +27,7 @@ from vllm_aot.loading.programs import (
     load_programs,
     load_weights_timed,
     prepare_kernels,
+    with_checkpoint_formats,
 )
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.registry import load_arch
@@ -75,6 +77,7 @@ def start(
     else:
         weights_path = Path(source)
     arch = load_arch(source)
+    config = with_checkpoint_formats(config, weights_path)
     check_fits(arch, config)
     options = replace(options, cache=options.cache or ProgramCache(CacheSettings.from_env()))
     paths = None

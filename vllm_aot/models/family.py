@@ -130,3 +130,8 @@ class Family:
     embedding: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
+
+    def head_source(self, arch: ModelArch, has_head: bool) -> str:
+        """The HF module the LM head's rows come from: its own, or the embedding's when the
+        architecture ties them or the checkpoint has no head (`has_head`)."""
+        return self.lm_head if has_head and not arch.tie_word_embeddings else self.embedding

@@ -1,15 +1,348 @@
-"""GGUF files (placeholder until the reader lands): each linear's format for a quantization."""
+"""GGUF files read natively: each tensor's blocks become a weight format's stored tensors as they
+are (no dequantise-then-requantise), under HF tensor names.
+
+- The container (`open_gguf`): the header's scalar metadata and tensor table are parsed here
+  (the `gguf` package's `GGUFReader` spends ~2 s building every tokenizer string of a 49k-token
+  vocabulary; only the sizes are walked here), the tensor data memory-mapped; types and block
+  sizes are the `gguf` package's.
+- Names: llama.cpp's (`token_embd`, `blk.N.attn_q`, ...) -> HF's (`model.embed_tokens`,
+  `model.layers.N.self_attn.q_proj`, ...) for the Llama-like families we serve (`llama`,
+  `qwen2` with q/k/v biases, `qwen3` with q/k norms); tensors we do not map are never read.
+- Blocks -> planes (`formats.py`'s layouts): Q8_0 (fp16 d, 32 int8) -> `q8_0`; Q4_0 (fp16 d,
+  16 bytes) -> `q4_0`; Q4_1 (fp16 d, fp16 m, 16 bytes) -> `q4_1`; F32, F16 and BF16 tensors are
+  dense. Every plane keeps the output rows first.
+- llama.cpp's converter interleaves the rotary halves of each head's q and k rows for `llama`
+  (`LlamaModel.permute`); the rows of every plane are put back in HF's order here, as
+  transformers' `LlamaTensorProcessor` does for its dequantised weights.
+- `gguf_weight_formats`: the `RuntimeConfig.weight_formats` a file serves, refusing what one
+  program per layer kind cannot run (types we do not read, fused parts of different types, a
+  linear whose type changes between layers).
+"""
 
 from __future__ import annotations
 
+import mmap
+import struct
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+
+from vllm_aot.models.config import ModelArch
+from vllm_aot.models.formats import dense_format
+from vllm_aot.models.linear import EMBEDDING, LM_HEAD
+from vllm_aot.models.registry import family_of
+
+GgmlType = GGMLQuantizationType
+DENSE_TYPES = {
+    GgmlType.F32: torch.float32,
+    GgmlType.F16: torch.float16,
+    GgmlType.BF16: torch.bfloat16,
+}
+# GGUF architecture -> our family; llama.cpp permutes q/k rows of the `llama` architecture only.
+FAMILY_OF_ARCHITECTURE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTES_QK = ("llama",)
+ALL_LINEARS = "*"  # `RuntimeConfig.weight_formats`' name for every linear not named
+
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
-def resolve_weight_formats(
-    model_dir: str | Path, quantization: str | None
+@dataclass(frozen=True)
+class _Plane:
+    name: str  # the format's stored tensor name
+    start: int  # its bytes [start, stop) in every block
+    stop: int
+    dtype: torch.dtype
+
+
+# The quantised block types we read: (our format, its planes in `tensor_names` order).
+BLOCK_TYPES: Mapping[GgmlType, tuple[str, tuple[_Plane, ...]]] = {
+    GgmlType.Q8_0: (
+        "q8_0",
+        (_Plane("qweight", 2, 34, torch.int8), _Plane("scale", 0, 2, torch.float16)),
+    ),
+    GgmlType.Q4_0: (
+        "q4_0",
+        (_Plane("qweight", 2, 18, torch.uint8), _Plane("scale", 0, 2, torch.float16)),
+    ),
+    GgmlType.Q4_1: (
+        "q4_1",
+        (
+            _Plane("qweight", 4, 20, torch.uint8),
+            _Plane("scale", 0, 2, torch.float16),
+            _Plane("min", 2, 4, torch.float16),
+        ),
+    ),
+}
+SUPPORTED_TYPES = ", ".join(t.name for t in [*BLOCK_TYPES, *DENSE_TYPES])
+
+
+class GgufWeight(NamedTuple):
+    """One tensor as the file stores it."""
+
+    type: GgmlType
+    format: str | None  # the quantised format of `tensors`; None: one dense float tensor
+    tensors: tuple[torch.Tensor, ...]  # the format's stored tensors, or (dense [out, in] | [n],)
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    type: GgmlType
+    shape: tuple[int, ...]  # torch order: [out, in] or [n]
+    offset: int  # of its data, in bytes from the file's start
+
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+class _Header:
+    """A cursor over the header: scalars and strings read, arrays walked past."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.pos = data, 0
+
+    def read(self, fmt: str):
+        values = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        size = self.read("<Q")
+        self.pos += size
+        return self.data[self.pos - size : self.pos].decode("utf-8", "replace")
+
+    def value(self, vtype: int):
+        """A scalar or string; an array is skipped (None): only its items' sizes are read."""
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype != GGUFValueType.ARRAY:
+            return self.read(_SCALARS[GGUFValueType(vtype)])
+        item, count = self.read("<IQ")
+        if item == GGUFValueType.STRING:  # a vocabulary: 50k-250k strings
+            for _ in range(count):
+                self.pos += 8 + struct.unpack_from("<Q", self.data, self.pos)[0]
+        elif item == GGUFValueType.ARRAY:
+            for _ in range(count):
+                self.value(item)
+        else:
+            self.pos += count * struct.calcsize(_SCALARS[GGUFValueType(item)])
+        return None
+
+
+class GgufFile:
+    """An opened `.gguf`: its metadata (scalars) and tensors by HF name, read on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(mapped, dtype=np.uint8)  # the tensors' bytes, read on demand
+        header = _Header(mapped)
+        magic, version, num_tensors, num_fields = header.read("<4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{self.path} is not a GGUF file of version 2 or 3 (little-endian)")
+        fields = {}
+        for _ in range(num_fields):
+            key = header.string()
+            fields[key] = header.value(header.read("<I"))
+        self.metadata: Mapping[str, object] = {k: v for k, v in fields.items() if v is not None}
+        table = []
+        for _ in range(num_tensors):
+            name = header.string()
+            dims = header.read(f"<{header.read('<I')}Q")
+            dims = (dims,) if isinstance(dims, int) else dims
+            table.append(
+                (name, tuple(reversed(dims)), GgmlType(header.read("<I")), header.read("<Q"))
+            )
+        alignment = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        start = -(-header.pos // alignment) * alignment
+        self.architecture = str(self.metadata.get("general.architecture"))
+        if self.architecture not in FAMILY_OF_ARCHITECTURE:
+            raise ValueError(
+                f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(FAMILY_OF_ARCHITECTURE)}"
+            )
+        self.tensors: Mapping[str, GgufTensor] = {
+            hf: GgufTensor(ggml_type, shape, start + offset)
+            for name, shape, ggml_type, offset in table
+            if (hf := hf_name(name)) is not None
+        }
+
+    def check_family(self, arch: ModelArch) -> None:
+        """Refuse a file of another family than the model directory's config.json states."""
+        family = FAMILY_OF_ARCHITECTURE[self.architecture]
+        if family != arch.family:
+            raise ValueError(
+                f"{self.path.name} holds a {self.architecture} model but config.json says "
+                f"{arch.architecture} (family {arch.family})"
+            )
+
+    def field(self, key: str, default: object = None) -> object:
+        """Metadata `key` under this file's architecture, e.g. "attention.head_count"."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def weight(self, name: str) -> GgufWeight:
+        """HF tensor `name` as stored: a quantised format's planes or one dense tensor, q/k rows
+        in HF's order. Raises KeyError naming a missing tensor, ValueError for a type we do not
+        read."""
+        if name not in self.tensors:
+            raise KeyError(f"weight {name!r} missing from {self.path}")
+        tensor = self.tensors[name]
+        weight = _split(self.data, tensor, f"{name} in {self.path.name}")
+        num_heads = self._permuted_heads(name)
+        if num_heads is None:
+            return weight
+        rows = _unpermuted_rows(tensor.shape[0], num_heads)
+        return weight._replace(tensors=tuple(t.index_select(0, rows) for t in weight.tensors))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count llama.cpp permuted `name`'s rows by (None when it did not)."""
+        if self.architecture not in _PERMUTES_QK:
+            return None
+        heads = int(self.field("attention.head_count"))
+        if ".self_attn.q_proj." in name:
+            return heads
+        if ".self_attn.k_proj." in name:
+            return int(self.field("attention.head_count_kv", heads))
+        return None
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp's tensor name -> HF's (None for a tensor we do not read, e.g. `rope_freqs`)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def _unpermuted_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row indices undoing llama.cpp's permute: its row (head, j, half) is HF's (head, half, j)."""
+    per_half = num_rows // num_heads // 2
+    return torch.arange(num_rows).reshape(num_heads, per_half, 2).transpose(1, 2).reshape(-1)
+
+
+def _split(data: np.ndarray, tensor: GgufTensor, what: str) -> GgufWeight:
+    """The tensor's bytes -> its planes (copies: each plane one contiguous tensor)."""
+    rows = int(np.prod(tensor.shape[:-1]))
+    block_size, block_bytes = GGML_QUANT_SIZES[tensor.type]
+    num_bytes = rows * tensor.shape[-1] // block_size * block_bytes
+    raw = data[tensor.offset : tensor.offset + num_bytes]
+    if tensor.type in DENSE_TYPES:
+        dense = torch.from_numpy(np.array(raw)).view(DENSE_TYPES[tensor.type])
+        return GgufWeight(tensor.type, None, (dense.reshape(tensor.shape),))
+    if tensor.type not in BLOCK_TYPES:
+        raise ValueError(f"{what} is {tensor.type.name}; supported types: {SUPPORTED_TYPES}")
+    fmt, planes = BLOCK_TYPES[tensor.type]
+    blocks = raw.reshape(rows, -1, block_bytes)
+    tensors = tuple(
+        torch.from_numpy(np.ascontiguousarray(blocks[..., p.start : p.stop]))
+        .view(p.dtype)
+        .reshape(rows, -1)
+        for p in planes
+    )
+    return GgufWeight(tensor.type, fmt, tensors)
+
+
+def find_gguf(model_dir: str | Path) -> Path:
+    """The one `*.gguf` of a model directory (beside its config.json and tokenizer)."""
+    found = sorted(Path(model_dir).glob("*.gguf"))
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(p.name for p in found)
+        raise ValueError(f"quantization 'gguf' reads the one *.gguf in {model_dir}; found {what}")
+    return found[0]
+
+
+def type_format(ggml_type: GgmlType, dtype: torch.dtype, what: str) -> str:
+    """The weight format a tensor type is served in: its block format, or the dense format of
+    the programs' `dtype`; ValueError naming the supported types."""
+    if ggml_type in BLOCK_TYPES:
+        return BLOCK_TYPES[ggml_type][0]
+    if ggml_type in DENSE_TYPES:
+        return dense_format(dtype).name
+    raise ValueError(f"{what} is {ggml_type.name}; supported types: {SUPPORTED_TYPES}")
+
+
+def _linear_type(gguf: GgufFile, arch: ModelArch, sources: tuple[str, ...], what: str) -> GgmlType:
+    """The one type of a layer linear's parts in every layer, refusing parts or layers that
+    differ (one program serves every layer)."""
+    prefix = family_of(arch).layer_prefix
+    by_layer = []
+    for index in range(arch.num_layers):
+        names = [f"{prefix.format(index=index)}{source}.weight" for source in sources]
+        missing = [n for n in names if n not in gguf.tensors]
+        if missing:
+            raise KeyError(f"weight {missing[0]!r} missing from {gguf.path}")
+        types = {gguf.tensors[n].type for n in names}
+        if len(types) > 1:
+            raise ValueError(
+                f"{gguf.path.name}: {what} fuses {', '.join(sources)}, stored as "
+                f"{', '.join(sorted(t.name for t in types))} in layer {index}; a fused linear "
+                "needs one type"
+            )
+        by_layer.append(types.pop())
+    if len(set(by_layer)) > 1:
+        first = by_layer[0]
+        other = next(i for i, t in enumerate(by_layer) if t != first)
+        raise ValueError(
+            f"{gguf.path.name}: {what} is {first.name} in layer 0 but {by_layer[other].name} in "
+            f"layer {other}; one program serves every layer, so its type must not change"
+        )
+    return by_layer[0]
+
+
+def gguf_weight_formats(
+    path: str | Path, arch: ModelArch, dtype: torch.dtype
 ) -> tuple[tuple[str, str], ...]:
-    """`RuntimeConfig.weight_formats` for `quantization`: () for none and int8 (the config fills
-    int8's), the .gguf's formats for gguf."""
-    if quantization == "gguf":
-        raise ValueError("quantization 'gguf' is not available yet")
-    return ()
+    """The `RuntimeConfig.weight_formats` serving `path`: "*" the format most linears are
+    stored in, then each linear stored otherwise, e.g.
+    (("*", "q4_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0")). Dense tensors are served in
+    the dense format of `dtype`; the head is the embedding's when the file has no `output`."""
+    gguf = GgufFile(path)
+    gguf.check_family(arch)
+    family = family_of(arch)
+    formats: dict[str, str] = {}
+    for linear in family.layer_spec(arch, dense_format(dtype).name).linears():
+        ggml_type = _linear_type(gguf, arch, linear.sources, linear.name)
+        formats[linear.name] = type_format(ggml_type, dtype, f"{path}: {linear.name}")
+    head = family.head_source(arch, has_head=f"{family.lm_head}.weight" in gguf.tensors)
+    for name, source in ((EMBEDDING, family.embedding), (LM_HEAD, head)):
+        tensor = f"{source}.weight"
+        if tensor not in gguf.tensors:
+            raise KeyError(f"weight {tensor!r} missing from {path}")
+        formats[name] = type_format(gguf.tensors[tensor].type, dtype, f"{path}: {tensor}")
+    default = Counter(formats.values()).most_common(1)[0][0]
+    named = [(name, fmt) for name, fmt in formats.items() if fmt != default]
+    return tuple(sorted([(ALL_LINEARS, default), *named]))

@@ -123,6 +123,28 @@ def shard_weight(linear: Linear, weight: torch.Tensor, rank: Rank) -> torch.Tens
         f"{linear.name}: weight {tuple(weight.shape)}, expected "
         f"{(linear.out_features, linear.in_features)}"
     )
+    return _shard_rows_first(linear, weight, rank)
+
+
+def shard_stored(
+    linear: Linear, stored: tuple[torch.Tensor, ...], rank: Rank
+) -> tuple[torch.Tensor, ...]:
+    """`rank`'s slices of a weight's stored tensors, plane by plane (each [out, ...], the output
+    rows first): rows as `shard_weight` splits them; for a row shard each plane's second
+    dimension (inputs, or the bytes and blocks holding them) splits evenly and a per-row plane
+    [out] stays whole. Equal to storing `shard_weight`'s slice when a rank's inputs are whole
+    blocks."""
+    assert all(t.shape[0] == linear.out_features for t in stored), (
+        f"{linear.name}: stored rows {[tuple(t.shape) for t in stored]}, expected "
+        f"{linear.out_features}"
+    )
+    return tuple(
+        t if linear.shard is Shard.ROW and t.dim() == 1 else _shard_rows_first(linear, t, rank)
+        for t in stored
+    )
+
+
+def _shard_rows_first(linear: Linear, weight: torch.Tensor, rank: Rank) -> torch.Tensor:
     if linear.shard is Shard.COLUMN:
         parts = weight.split(linear.out_parts)
         what = f"{linear.name} output features"

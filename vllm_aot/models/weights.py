@@ -1,16 +1,16 @@
-"""HF safetensors directory -> our fused parameters, loaded once and shared by every program."""
+"""A checkpoint (`models/checkpoints.py`) -> our fused parameters in their weight formats, loaded
+once and shared by every program."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
+from vllm_aot.models.checkpoints import Checkpoint, open_checkpoint
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerSpec, Norm
 from vllm_aot.models.formats import dense_format, take_rows, weight_format
@@ -22,7 +22,6 @@ from vllm_aot.models.linear import (
     Rank,
     Shard,
     shard_bias,
-    shard_weight,
 )
 from vllm_aot.models.registry import family_of
 
@@ -59,63 +58,26 @@ class ModelWeights(NamedTuple):
         return sum(t.numel() * t.element_size() for t in unique.values())
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return files
-
-
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
-class _Checkpoint:
-    """The HF tensors of one directory, read once; a missing one is a KeyError naming it."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.tensors = _read_tensors(model_dir)
-
-    def take(self, name: str) -> torch.Tensor:
-        if name not in self.tensors:
-            raise KeyError(f"weight {name!r} missing from {self.model_dir}")
-        return self.tensors[name]
-
-    def fused(self, prefix: str, linear: Linear, suffix: str) -> torch.Tensor:
-        """The linear's sources' `suffix` tensors ("weight", "bias") concatenated on the output."""
-        parts = [self.take(f"{prefix}{source}.{suffix}") for source in linear.sources]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def _load_layer(
-    checkpoint: _Checkpoint, spec: LayerSpec, prefix: str, dtype: torch.dtype, rank: Rank
+    checkpoint: Checkpoint, spec: LayerSpec, prefix: str, dtype: torch.dtype, rank: Rank
 ) -> LayerWeights:
     tensors: list[torch.Tensor] = []
     for param in spec.params:
         if isinstance(param, Norm):
-            norm = checkpoint.take(f"{prefix}{param.source}.weight")
+            norm = checkpoint.dense(f"{prefix}{param.source}.weight")
             tensors.append(norm.to(dtype).contiguous())
             continue
-        weight = shard_weight(param, checkpoint.fused(prefix, param, "weight"), rank)
-        tensors += weight_format(param.format).prepare(weight)
+        names = [f"{prefix}{source}.weight" for source in param.sources]
+        tensors += checkpoint.stored(param, names, rank)
         if param.has_bias:
-            bias = shard_bias(param, checkpoint.fused(prefix, param, "bias"), rank)
+            parts = [checkpoint.dense(f"{prefix}{source}.bias") for source in param.sources]
+            bias = shard_bias(param, torch.cat(parts), rank)
             tensors.append(bias.to(dtype).contiguous())
     return dict(zip(spec.tensor_names(), tensors, strict=True))
 
 
 def _load_vocab_rows(
-    checkpoint: _Checkpoint, arch: ModelArch, source: str, fmt: str, rank: Rank
+    checkpoint: Checkpoint, arch: ModelArch, source: str, fmt: str, rank: Rank
 ) -> StoredWeight:
     """An embedding or LM head [vocab, hidden]: vocabulary-parallel, in weight format `fmt`."""
     rows = Linear(
@@ -126,8 +88,7 @@ def _load_vocab_rows(
         format=fmt,
         shard=Shard.VOCAB,
     )
-    weight = shard_weight(rows, checkpoint.fused("", rows, "weight"), rank)
-    return StoredWeight(fmt, weight_format(fmt).prepare(weight))
+    return StoredWeight(fmt, checkpoint.stored(rows, [f"{source}.weight"], rank))
 
 
 def load_weights(
@@ -136,29 +97,31 @@ def load_weights(
     dtype: torch.dtype,
     *,
     formats: FormatOf | None = None,
+    quantization: str | None = None,
     rank: Rank = SINGLE_RANK,
 ) -> ModelWeights:
-    """Read every parameter through the family's layer spec: fused (q|k|v, gate|up), sliced for
-    `rank`, each linear (the embedding and head too) prepared in its weight format
+    """Read every parameter through the family's layer spec from the checkpoint `quantization`
+    reads (`checkpoints.open_checkpoint`: safetensors, or the directory's GGUF): fused (q|k|v,
+    gate|up), sliced for `rank`, each linear (the embedding and head too) in its weight format
     (`formats(name)`; default: the dense format of `dtype`), the rest cast to `dtype`.
-    Raises KeyError on a missing tensor."""
+    Raises KeyError on a missing tensor, ValueError when the checkpoint does not store a linear
+    in the format asked."""
     family = family_of(arch)
     dense = dense_format(dtype).name
     format_of = formats or (lambda name: dense)
-    checkpoint = _Checkpoint(Path(model_dir))
+    checkpoint = open_checkpoint(model_dir, quantization, arch)
     spec = family.layer_spec(arch, dense).with_formats(format_of)
     layers = [
         _load_layer(checkpoint, spec, family.layer_prefix.format(index=i), dtype, rank)
         for i in range(arch.num_layers)
     ]
     embed = _load_vocab_rows(checkpoint, arch, family.embedding, format_of(EMBEDDING), rank)
-    is_tied = arch.tie_word_embeddings or f"{family.lm_head}.weight" not in checkpoint.tensors
-    head_source = family.embedding if is_tied else family.lm_head
-    same = is_tied and format_of(LM_HEAD) == embed.format
+    head_source = family.head_source(arch, has_head=checkpoint.has(f"{family.lm_head}.weight"))
+    same = head_source == family.embedding and format_of(LM_HEAD) == embed.format
     return ModelWeights(
         embed=embed,
         layers=layers,
-        final_norm=checkpoint.take(f"{family.final_norm}.weight").to(dtype).contiguous(),
+        final_norm=checkpoint.dense(f"{family.final_norm}.weight").to(dtype).contiguous(),
         lm_head=embed
         if same
         else _load_vocab_rows(checkpoint, arch, head_source, format_of(LM_HEAD), rank),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
-from vllm_aot.models.gguf import resolve_weight_formats
+from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.runtime.config import RuntimeConfig
 
 RESOLVED_KEY = "vllm_aot"
@@ -121,5 +121,6 @@ def resolve_options(
     default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
     fields.setdefault("max_num_batched_tokens", min(default_chunk, fields["max_model_len"]))
     if fields.get("quantization") and not fields.get("weight_formats"):
-        fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"])
+        dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
+        fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)
     return AotOptions(runtime=RuntimeConfig(**fields), **options)

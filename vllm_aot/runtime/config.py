@@ -50,7 +50,8 @@ class RuntimeConfig:
     num_kv_blocks: int | None = None  # default: every row at max_model_len, plus the dummy
     quantization: str | None = None  # one of QUANTIZATIONS; None: dense weights of `dtype`
     # (linear name or "*", weight format): every linear's format, resolved at load from
-    # `quantization` and the checkpoint (`models/checkpoints.py`); () for dense weights.
+    # `quantization` and the checkpoint (`models/checkpoints.py`); () for dense weights, and
+    # for "gguf" until start-up reads the file's.
     weight_formats: tuple[tuple[str, str], ...] = ()
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
 
@@ -115,30 +116,36 @@ class RuntimeConfig:
         formats = tuple(tuple(pair) for pair in self.weight_formats)
         if self.quantization == "int8" and not formats:
             formats = ((ALL_LINEARS, "int8"),)
-        if self.quantization == "gguf" and not formats:
-            raise ValueError(
-                "quantization 'gguf' needs the file's weight formats (resolved at load)"
-            )
         if self.quantization is None and formats:
             raise ValueError(f"weight_formats {formats} given without a quantization")
         for _, name in formats:
             weight_format(name)  # ValueError naming the supported formats
         object.__setattr__(self, "weight_formats", tuple(sorted(formats)))
 
+    @property
+    def has_resolved_formats(self) -> bool:
+        """False for quantization "gguf" until start-up reads the file's weight formats
+        (`models.checkpoints.resolve_weight_formats`); nothing may read the formats before."""
+        return self.quantization != "gguf" or bool(self.weight_formats)
+
+    def _formats(self) -> dict[str, str]:
+        assert self.has_resolved_formats, "the GGUF's weight formats are read at start-up first"
+        return dict(self.weight_formats)
+
     def linear_format(self, name: str) -> str:
         """The weight format of linear `name` (a layer's, `linear.EMBEDDING` or `LM_HEAD`)."""
-        formats = dict(self.weight_formats)
+        formats = self._formats()
         return formats.get(name) or formats.get(ALL_LINEARS) or dense_format(self.torch_dtype).name
 
     def formats_used(self) -> frozenset[str]:
         """Every weight format the programs' linears use (what their kernels are chosen for)."""
-        formats = dict(self.weight_formats)
+        formats = self._formats()
         dense = () if ALL_LINEARS in formats else (dense_format(self.torch_dtype).name,)
         return frozenset([*formats.values(), *dense])
 
     def formats_summary(self) -> str:
         """What `cache lookup`, the registry and logs show: "q4_1 (embed_tokens, lm_head: q8_0)"."""
-        formats = dict(self.weight_formats)
+        formats = self._formats()
         if not formats:
             return dense_format(self.torch_dtype).name
         base = formats.pop(ALL_LINEARS, dense_format(self.torch_dtype).name)

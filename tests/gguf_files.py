@@ -1,0 +1,122 @@
+"""Tiny GGUF files written the way llama.cpp's converter writes them, and the weights transformers'
+GGUF loader reads back from them (the reference our planes must equal); for tests.
+
+`write_gguf` takes an HF directory (`models/tiny.py`): tensors renamed by the `gguf` package's
+name map, q and k rows permuted for `llama` (`convert_hf_to_gguf.LlamaModel.permute`), each
+quantised with `gguf.quants` in the type asked; the output directory holds config.json, the
+tokenizer and `model.gguf`, no safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_aot.models.tiny import TOKENIZER_FILES
+
+GgmlType = gguf.GGMLQuantizationType
+GGUF_ARCHITECTURES = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+}
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """`convert_hf_to_gguf.LlamaModel.permute`: each head's rotary halves interleaved."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_names(family: str, hf_names: list[str], num_layers: int) -> dict[str, str]:
+    """HF tensor name -> llama.cpp's, by the `gguf` package's own map."""
+    name_map = gguf.get_tensor_name_map(GGUF_ARCHITECTURES[family], num_layers)
+    return {n: name_map.get_name(n, try_suffixes=(".weight", ".bias")) for n in hf_names}
+
+
+def write_gguf(
+    hf_dir: Path,
+    out_dir: Path,
+    *,
+    family: str,
+    linear_type: GgmlType = GgmlType.Q4_1,
+    vocab_type: GgmlType = GgmlType.Q8_0,
+    types: Mapping[str, GgmlType] | None = None,
+) -> Path:
+    """`out_dir` with config.json, the tokenizer and `model.gguf` of `hf_dir`'s weights: layer
+    linears in `linear_type`, embedding and head in `vocab_type`, vectors F32, any HF name in
+    `types` as given there."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    names = gguf_names(family, list(tensors), config["num_hidden_layers"])
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arch_name = gguf.MODEL_ARCH_NAMES[GGUF_ARCHITECTURES[family]]
+    writer = gguf.GGUFWriter(out_dir / "model.gguf", arch_name)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    # A vocabulary as real files carry one: string arrays the header reader walks past.
+    writer.add_token_list([f"t{i}" for i in range(300)])
+    writer.add_token_types([1] * 300)
+    for name, tensor in tensors.items():
+        data = tensor.float().numpy()
+        if family == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, heads, heads)
+        if family == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, heads, kv_heads)
+        default = (
+            GgmlType.F32 if data.ndim == 1 else vocab_type if name in VOCAB_ROWS else linear_type
+        )
+        qtype = (types or {}).get(name, default)
+        writer.add_tensor(names[name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (hf_dir / name).is_file():
+            shutil.copy(hf_dir / name, out_dir / name)
+    return out_dir
+
+
+def transformers_weights(model_dir: Path, hf_dir: Path, family: str) -> dict[str, torch.Tensor]:
+    """`model_dir/model.gguf` (written from `hf_dir`) as transformers' GGUF loader reads it:
+    dequantised by `gguf.quants`, q and k rows put back by its tensor processor, by HF name."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hf_names = list(load_file(str(hf_dir / "model.safetensors")))
+    names = gguf_names(family, hf_names, config["num_hidden_layers"])
+    hf_of = {gguf_name: hf for hf, gguf_name in names.items()}
+    processor = TENSOR_PROCESSORS.get(family, TensorProcessor)(config=config)
+    weights = {}
+    for tensor in gguf.GGUFReader(model_dir / "model.gguf").tensors:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data = processor.process(weights=data, name=tensor.name).weights
+        weights[hf_of[tensor.name]] = torch.from_numpy(np.array(data, dtype=np.float32))
+    return weights
+
+
+def write_dense_twin(model_dir: Path, weights: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """An HF directory of `weights` (fp32 safetensors) beside `model_dir`'s config and
+    tokenizer: the dense model built from the same dequantised weights."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(out_dir / "model.safetensors"))
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out_dir / name)
+    return out_dir
