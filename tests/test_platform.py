@@ -100,3 +100,11 @@ def test_int8_quantization_is_a_vllm_flag_that_reaches_the_runtime(tiny_model_di
 def test_a_quantization_we_do_not_run_is_refused_naming_ours(tiny_model_dir):
     with pytest.raises(ValueError, match=r"fp8_per_tensor \(supported: int8, gguf\)"):
         engine_config(tiny_model_dir, quantization="fp8_per_tensor")
+
+
+def test_gguf_quantization_reads_each_linears_format_from_the_file(default_model_dir):
+    from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+
+    config = engine_config(default_model_dir, quantization="gguf", dtype="bfloat16")
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert runtime.formats_summary() == "q4_1 (embed_tokens, lm_head: q8_0)"
