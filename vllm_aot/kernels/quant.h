@@ -1,0 +1,87 @@
+// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp) share: the stored weight
+// as one view, the activations quantised to int8 blocks, the instruction set chosen at run time,
+// and the op's driver, which picks a path by the number of activation rows.
+//
+// Paths, by rows m (the same for every format):
+// - m <= kMaxIntegerRows: the activations are quantised once per call to int8 blocks of 32 (a
+//   float32 scale each: llama.cpp's q8 activations), and each output is a sum over blocks of
+//   integer dot products times the block's two scales. One weight-row tile at a time is read
+//   from memory and used for every activation row while it sits in L1 (`quant_avx2.h`,
+//   `quant_avx512.h`); m = 1 is the same code with one activation row, streaming the weights at
+//   memory speed. A row's result never depends on the other rows.
+// - larger m (prefill): a tile of weight rows is dequantised into a per-thread buffer (float32,
+//   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+// The library is built for AVX2 + FMA; F16C (on every AVX2 CPU) widens the fp16 scales, and the
+// AVX-512 VNNI path is compiled for its own target and chosen at run time.
+#define VLLM_AOT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define VLLM_AOT_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace vllm_aot::quant {
+
+constexpr int64_t kBlock = 32;      // inputs per block: GGUF's, and the activations' scale blocks
+constexpr int64_t kGroupBlocks = 4;  // blocks per `ActGroup`
+constexpr int64_t kMaxIntegerRows = 48;  // beyond: dequantise tiles and run aten's GEMM
+
+enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
+
+// AVX-512 VNNI where the CPU has it, unless `VLLM_AOT_KERNEL_ISA=avx2` (read once per process).
+Isa isa();
+
+// 128 activations (four blocks of 32) of one row, quantised, in the order the integer dot
+// products want them: inputs 0-15 of each block, then inputs 16-31 of each (a GGUF 4-bit block
+// packs input j and j + 16 in one byte). Lanes 4j..4j+3 of the 16-lane planes belong to block j
+// (an int32 lane of a byte dot product sums four consecutive bytes).
+struct alignas(64) ActGroup {
+  int8_t q[128];     // x / scale rounded to nearest (even), in [-127, 127]
+  int32_t init[16];  // block j's -offset * sum(q) in lane 4j, zeros elsewhere: the dots' start
+  float scale[16];   // block j's scale (its largest |x| / 127) in lanes 4j..4j+3
+  float sums[16];    // block j's scale * sum(q) in lane 4j, zeros elsewhere (q4_1's min term)
+};
+
+// One stored weight [n, k], whatever its format (unused planes are null).
+struct Weights {
+  const uint8_t* q;         // row r's codes start at q + r * q_stride
+  const c10::Half* scale;   // per block, row r's at scale + r * blocks (q8_0, q4_0, q4_1)
+  const c10::Half* min;     // per block, likewise (q4_1)
+  const float* row_scale;   // per row (int8)
+  int64_t q_stride, blocks, n, k;
+};
+
+// Multiplies quantised activations [m, groups] by every weight row into out [m, n] (float32 or
+// bfloat16), in parallel over weight-row tiles.
+using MultiplyFn = void (*)(const Weights& w, const ActGroup* acts, int64_t m, at::Tensor& out);
+// Row `row` of the weight as k float32 values.
+using DequantizeRowFn = void (*)(const Weights& w, int64_t row, float* out);
+
+// A format's entry points: its kernel per `Isa`, the offset its stored codes carry there (the
+// integer dot runs on unsigned codes u = q + offset, so the quantised activations start each
+// block's dot at -offset * sum(q)), and its row dequantisation.
+struct Format {
+  MultiplyFn multiply[2];
+  int32_t offset[2];
+  DequantizeRowFn dequantize_row;
+};
+
+// y = x @ w.T: x [..., k] float32 or bfloat16 -> [..., n] of x's dtype.
+at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format);
+
+// The shape function: x [..., k], qweight [n, ...] -> [..., n] of x's dtype.
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& qweight);
+
+// Checks a stored plane's dtype and shape, and returns it contiguous.
+at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols,
+                 const char* what);
+
+inline void store(float v, float* p) { *p = v; }
+inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }
+
+}  // namespace vllm_aot::quant
