@@ -16,34 +16,32 @@ struct Int8 {
   static constexpr bool kSigned = true, kHasScale = false, kHasMin = false, kRowScale = true;
 
   template <bool kTail>
-  VLLM_AOT_AVX2 static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
     avx2::W256 v;
     avx2::signed_codes<kTail>(w.q + row * w.q_stride + 64 * pair, v);
     return v;
   }
 
   template <bool kTail>
-  VLLM_AOT_AVX512 static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
                                               int blocks) {
     avx512::W512 v;
     avx512::signed_codes<kTail>(w.q + row * w.q_stride + 128 * group, blocks, v);
     return v;
   }
 
-  VLLM_AOT_AVX2 static void dequantize_row(const Weights& w, int64_t row, float* out) {
-    const auto* q = reinterpret_cast<const int8_t*>(w.q + row * w.q_stride);
-    const float scale = w.row_scale[row];
-    const __m256 vs = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= w.k; i += 8) {
-      const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs));
-    }
-    for (; i < w.k; ++i) out[i] = static_cast<float>(q[i]) * scale;
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
+  }
+
+  static void affine(const Weights& w, int64_t row, int64_t, float& d, float& m) {
+    d = w.row_scale[row];
+    m = 0.f;
   }
 };
 
-const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>}, {0, 128}, Int8::dequantize_row};
+const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>}, {0, 128},
+                   avx2::dequantize<Int8>, avx512::dequantize_bf16<Int8>};
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
   TORCH_CHECK(qweight.dim() == 2, "linear_int8: qweight int8 [n, k]");

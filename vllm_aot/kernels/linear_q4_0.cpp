@@ -16,32 +16,35 @@ struct Q4_0 {
   static constexpr bool kSigned = false, kHasScale = true, kHasMin = false, kRowScale = false;
 
   template <bool kTail>
-  VLLM_AOT_AVX2 static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
     avx2::W256 v;
     avx2::nibbles<kTail>(w.q + row * w.q_stride + 32 * pair, v);
-    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair, false);
+    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
     return v;
   }
 
   template <bool kTail>
-  VLLM_AOT_AVX512 static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
                                               int blocks) {
     avx512::W512 v;
     avx512::nibbles<kTail>(w.q + row * w.q_stride + 64 * group, blocks, v);
-    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks,
-                                    avx512::kAllLanes);
+    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);
     return v;
   }
 
-  VLLM_AOT_AVX2 static void dequantize_row(const Weights& w, int64_t row, float* out) {
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      const float d = static_cast<float>(w.scale[row * w.blocks + b]);
-      avx2::widen_nibbles(w.q + row * w.q_stride + 16 * b, d, -8.f * d, out + kBlock * b);
-    }
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
+    return avx2::nibble_codes(w.q + row * w.q_stride + 16 * b);
+  }
+
+  // (q - 8) * d as q * d - 8 * d: one rounding of the same exact value.
+  static void affine(const Weights& w, int64_t row, int64_t b, float& d, float& m) {
+    d = static_cast<float>(w.scale[row * w.blocks + b]);
+    m = -8.f * d;
   }
 };
 
-const Format kQ4_0{{avx2::multiply<Q4_0>, avx512::multiply<Q4_0>}, {8, 8}, Q4_0::dequantize_row};
+const Format kQ4_0{{avx2::multiply<Q4_0>, avx512::multiply<Q4_0>}, {8, 8},
+                   avx2::dequantize<Q4_0>, avx512::dequantize_bf16<Q4_0>};
 
 at::Tensor linear_q4_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
   const int64_t n = qweight.size(0), k = 2 * qweight.size(1);

@@ -16,35 +16,34 @@ struct Q4_1 {
   static constexpr bool kSigned = false, kHasScale = true, kHasMin = true, kRowScale = false;
 
   template <bool kTail>
-  VLLM_AOT_AVX2 static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
     avx2::W256 v;
     avx2::nibbles<kTail>(w.q + row * w.q_stride + 32 * pair, v);
-    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair, false);
-    v.min = avx2::spread<kTail>(w.min + row * w.blocks + 2 * pair, true);
+    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
     return v;
   }
 
   template <bool kTail>
-  VLLM_AOT_AVX512 static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
                                               int blocks) {
     avx512::W512 v;
     avx512::nibbles<kTail>(w.q + row * w.q_stride + 64 * group, blocks, v);
-    const int64_t at = row * w.blocks + kGroupBlocks * group;
-    v.scale = avx512::spread<kTail>(w.scale + at, blocks, avx512::kAllLanes);
-    v.min = avx512::spread<kTail>(w.min + at, blocks, avx512::kFirstLanes);
+    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);
     return v;
   }
 
-  VLLM_AOT_AVX2 static void dequantize_row(const Weights& w, int64_t row, float* out) {
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      const int64_t at = row * w.blocks + b;
-      avx2::widen_nibbles(w.q + row * w.q_stride + 16 * b, static_cast<float>(w.scale[at]),
-                          static_cast<float>(w.min[at]), out + kBlock * b);
-    }
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
+    return avx2::nibble_codes(w.q + row * w.q_stride + 16 * b);
+  }
+
+  static void affine(const Weights& w, int64_t row, int64_t b, float& d, float& m) {
+    d = static_cast<float>(w.scale[row * w.blocks + b]);
+    m = static_cast<float>(w.min[row * w.blocks + b]);
   }
 };
 
-const Format kQ4_1{{avx2::multiply<Q4_1>, avx512::multiply<Q4_1>}, {0, 0}, Q4_1::dequantize_row};
+const Format kQ4_1{{avx2::multiply<Q4_1>, avx512::multiply<Q4_1>}, {0, 0},
+                   avx2::dequantize<Q4_1>, avx512::dequantize_bf16<Q4_1>};
 
 at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                        const at::Tensor& min) {

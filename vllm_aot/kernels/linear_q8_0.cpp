@@ -16,34 +16,34 @@ struct Q8_0 {
   static constexpr bool kSigned = true, kHasScale = true, kHasMin = false, kRowScale = false;
 
   template <bool kTail>
-  VLLM_AOT_AVX2 static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
     avx2::W256 v;
     avx2::signed_codes<kTail>(w.q + row * w.q_stride + 64 * pair, v);
-    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair, false);
+    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
     return v;
   }
 
   template <bool kTail>
-  VLLM_AOT_AVX512 static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
                                               int blocks) {
     avx512::W512 v;
     avx512::signed_codes<kTail>(w.q + row * w.q_stride + 128 * group, blocks, v);
-    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks,
-                                    avx512::kAllLanes);
+    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);
     return v;
   }
 
-  VLLM_AOT_AVX2 static void dequantize_row(const Weights& w, int64_t row, float* out) {
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      const auto* p = reinterpret_cast<const __m128i*>(w.q + row * w.q_stride + kBlock * b);
-      avx2::widen_block<true>(_mm_loadu_si128(p), _mm_loadu_si128(p + 1),
-                              static_cast<float>(w.scale[row * w.blocks + b]), 0.f,
-                              out + kBlock * b);
-    }
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
+  }
+
+  static void affine(const Weights& w, int64_t row, int64_t b, float& d, float& m) {
+    d = static_cast<float>(w.scale[row * w.blocks + b]);
+    m = 0.f;
   }
 };
 
-const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>}, {0, 128}, Q8_0::dequantize_row};
+const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>}, {0, 128},
+                   avx2::dequantize<Q8_0>, avx512::dequantize_bf16<Q8_0>};
 
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
   const int64_t n = qweight.size(0), k = qweight.size(1);

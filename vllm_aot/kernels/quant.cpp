@@ -20,7 +20,7 @@
 namespace vllm_aot::quant {
 namespace {
 
-constexpr int64_t kTileBytes = 256 << 10;  // a thread's dequantised weight tile: half its L2
+constexpr int64_t kChunkBytes = 4 << 20;  // dequantised weight rows per GEMM call
 
 bool has_avx512_vnni() {
   __builtin_cpu_init();
@@ -49,10 +49,12 @@ VLLM_AOT_AVX2 inline int32_t sum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// One row of k = 32 * blocks activations into its groups (zeros past the last block).
+// One row of k = 32 * blocks activations into its groups and block sums (zeros past the last).
 template <class T>
-VLLM_AOT_AVX2 void quantize_row(const T* x, int64_t blocks, int32_t offset, ActGroup* groups) {
+VLLM_AOT_AVX2 void quantize_row(const T* x, int64_t blocks, int32_t offset, ActGroup* groups,
+                                float* sums) {
   std::memset(groups, 0, sizeof(ActGroup) * ((blocks + kGroupBlocks - 1) / kGroupBlocks));
+  std::memset(sums, 0, sizeof(float) * ((blocks + kSumsAlign - 1) / kSumsAlign * kSumsAlign));
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m256 v[4];
@@ -77,74 +79,58 @@ VLLM_AOT_AVX2 void quantize_row(const T* x, int64_t blocks, int32_t offset, ActG
                      _mm256_extracti128_si256(bytes, 1));
     g.init[4 * j] = -offset * sum;
     for (int i = 0; i < 4; ++i) g.scale[4 * j + i] = d;
-    g.sums[4 * j] = d * static_cast<float>(sum);
+    sums[blk] = d * static_cast<float>(sum);
   }
 }
 
-// x [m, k] (k a multiple of 32) -> [m, groups] quantised activations, in a byte tensor.
-at::Tensor quantize_activations(const at::Tensor& x, int32_t offset) {
-  const int64_t m = x.size(0), blocks = x.size(1) / kBlock;
-  const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
-  at::Tensor buffer = at::empty({m * groups * static_cast<int64_t>(sizeof(ActGroup))},
-                                x.options().dtype(at::kByte));
-  auto* acts = reinterpret_cast<ActGroup*>(buffer.data_ptr<uint8_t>());
+// x [m, k] (k a multiple of 32) quantised into `buffer` (a byte tensor it allocates).
+Acts quantize_activations(const at::Tensor& x, int32_t offset, at::Tensor& buffer) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
+  const int64_t num_groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  const int64_t stride = (blocks + kSumsAlign - 1) / kSumsAlign * kSumsAlign;
+  const int64_t group_bytes = m * num_groups * static_cast<int64_t>(sizeof(ActGroup));
+  buffer = at::empty({group_bytes + m * stride * 4}, x.options().dtype(at::kByte));
+  auto* groups = reinterpret_cast<ActGroup*>(buffer.data_ptr<uint8_t>());
+  auto* sums = reinterpret_cast<float*>(buffer.data_ptr<uint8_t>() + group_bytes);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      ActGroup* row_groups = groups + r * num_groups;
       if (x.scalar_type() == at::kFloat) {
-        quantize_row(x.data_ptr<float>() + r * x.size(1), blocks, offset, acts + r * groups);
+        quantize_row(x.data_ptr<float>() + r * k, blocks, offset, row_groups, sums + r * stride);
       } else {
-        quantize_row(x.data_ptr<c10::BFloat16>() + r * x.size(1), blocks, offset,
-                     acts + r * groups);
+        quantize_row(x.data_ptr<c10::BFloat16>() + r * k, blocks, offset, row_groups,
+                     sums + r * stride);
       }
     }
   });
-  return buffer;
+  return Acts{groups, sums, num_groups, stride};
 }
 
-// float32 -> bfloat16, rounded to nearest even (weights are finite).
-VLLM_AOT_AVX2 void to_bf16(const float* in, c10::BFloat16* out, int64_t n) {
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i v[2];
-    for (int j = 0; j < 2; ++j) {
-      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(in + i + 8 * j));
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-      v[j] = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, half), odd), 16);
-    }
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v[0], v[1]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+// Many rows: chunks of weight rows dequantised (in parallel) into a buffer and multiplied by
+// aten's GEMM (in parallel) into out's columns. Chunks are large: each GEMM call costs ~15 us.
+void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& format, Isa chosen,
+                        at::Tensor& out) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen == Isa::kAvx512Vnni &&
+                    __builtin_cpu_supports("avx512bf16");
+  const at::Tensor xc = x.to(bf16 ? at::kBFloat16 : at::kFloat);
+  at::Tensor result =
+      out.scalar_type() == xc.scalar_type() ? out : at::empty(out.sizes(), xc.options());
+  const int64_t row_bytes = std::max<int64_t>(w.k, 1) * (bf16 ? 2 : 4);
+  const int64_t chunk_rows = std::min(w.n, std::max<int64_t>(kChunkBytes / row_bytes, 64));
+  at::Tensor chunk = at::empty({chunk_rows, w.k}, xc.options());
+  for (int64_t r0 = 0; r0 < w.n; r0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, w.n - r0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      if (bf16) {
+        format.dequantize_bf16(w, r0 + begin, end - begin,
+                               chunk.data_ptr<c10::BFloat16>() + begin * w.k);
+      } else {
+        format.dequantize(w, r0 + begin, end - begin, chunk.data_ptr<float>() + begin * w.k);
+      }
+    });
+    at::Tensor columns = result.narrow(1, r0, rows);
+    at::mm_out(columns, xc, chunk.narrow(0, 0, rows).t());
   }
-  for (; i < n; ++i) out[i] = c10::BFloat16(in[i]);
-}
-
-// Many rows: per thread, tiles of weight rows dequantised into an L2-sized buffer and
-// multiplied by aten's (single-threaded, inside the parallel region) GEMM into out's columns.
-void dequantized_linear(const at::Tensor& x, const Weights& w, DequantizeRowFn dequantize_row,
-                        Isa chosen, at::Tensor& out) {
-  const bool native_bf16 = chosen == Isa::kAvx512Vnni && __builtin_cpu_supports("avx512bf16");
-  const auto dtype = x.scalar_type() == at::kBFloat16 && native_bf16 ? at::kBFloat16 : at::kFloat;
-  const at::Tensor xc = x.to(dtype);
-  at::Tensor result = out.scalar_type() == dtype ? out : at::empty(out.sizes(), xc.options());
-  const int64_t element = dtype == at::kFloat ? 4 : 2;
-  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (element * std::max<int64_t>(w.k, 1)) / 16 * 16, 16, 1024);
-  at::parallel_for(0, (w.n + tile_rows - 1) / tile_rows, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor tile = at::empty({tile_rows, w.k}, xc.options());
-    std::vector<float> row(w.k);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t * tile_rows, rows = std::min(tile_rows, w.n - r0);
-      for (int64_t r = 0; r < rows; ++r) {
-        if (dtype == at::kFloat) {
-          dequantize_row(w, r0 + r, tile.data_ptr<float>() + r * w.k);
-        } else {
-          dequantize_row(w, r0 + r, row.data());
-          to_bf16(row.data(), tile.data_ptr<c10::BFloat16>() + r * w.k, w.k);
-        }
-      }
-      at::Tensor columns = result.narrow(1, r0, rows);
-      at::mm_out(columns, xc, tile.narrow(0, 0, rows).t());
-    }
-  });
   if (!result.is_same(out)) out.copy_(result);
 }
 
@@ -171,12 +157,12 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format) {
   at::Tensor out2 = out.view({m, w.n});
   const Isa chosen = isa();
   if (m > kMaxIntegerRows || w.k % kBlock != 0) {
-    dequantized_linear(x2, w, format.dequantize_row, chosen, out2);
+    dequantized_linear(x2, w, format, chosen, out2);
     return out;
   }
-  const at::Tensor acts = quantize_activations(x2, format.offset[static_cast<int>(chosen)]);
-  format.multiply[static_cast<int>(chosen)](
-      w, reinterpret_cast<const ActGroup*>(acts.data_ptr<uint8_t>()), m, out2);
+  at::Tensor buffer;
+  const Acts acts = quantize_activations(x2, format.offset[static_cast<int>(chosen)], buffer);
+  format.multiply[static_cast<int>(chosen)](w, acts, m, out2);
   return out;
 }
 

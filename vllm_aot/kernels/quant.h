@@ -24,12 +24,17 @@
 #define VLLM_AOT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define VLLM_AOT_AVX512 \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+// The hot helpers: GCC does not always inline functions with a target attribute on its own.
+#define VLLM_AOT_INLINE inline __attribute__((always_inline))
+#define VLLM_AOT_AVX512_BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace vllm_aot::quant {
 
 constexpr int64_t kBlock = 32;      // inputs per block: GGUF's, and the activations' scale blocks
 constexpr int64_t kGroupBlocks = 4;  // blocks per `ActGroup`
-constexpr int64_t kMaxIntegerRows = 48;  // beyond: dequantise tiles and run aten's GEMM
+constexpr int64_t kSumsAlign = 16;   // `Acts::sums_stride` is a multiple: whole 16-lane vectors
+constexpr int64_t kMaxIntegerRows = 32;  // beyond: dequantise and run aten's GEMM
 
 enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
 
@@ -44,7 +49,14 @@ struct alignas(64) ActGroup {
   int8_t q[128];     // x / scale rounded to nearest (even), in [-127, 127]
   int32_t init[16];  // block j's -offset * sum(q) in lane 4j, zeros elsewhere: the dots' start
   float scale[16];   // block j's scale (its largest |x| / 127) in lanes 4j..4j+3
-  float sums[16];    // block j's scale * sum(q) in lane 4j, zeros elsewhere (q4_1's min term)
+};
+
+// Quantised activations [m, k]: each row's groups, and each row's block sums (scale * sum(q) per
+// block, for q4_1's min term: a float dot with the weight row's minimums).
+struct Acts {
+  const ActGroup* groups;  // row b's at groups + b * num_groups
+  const float* sums;       // row b's at sums + b * sums_stride, zeros past the last block
+  int64_t num_groups, sums_stride;
 };
 
 // One stored weight [n, k], whatever its format (unused planes are null).
@@ -58,17 +70,21 @@ struct Weights {
 
 // Multiplies quantised activations [m, groups] by every weight row into out [m, n] (float32 or
 // bfloat16), in parallel over weight-row tiles.
-using MultiplyFn = void (*)(const Weights& w, const ActGroup* acts, int64_t m, at::Tensor& out);
-// Row `row` of the weight as k float32 values.
-using DequantizeRowFn = void (*)(const Weights& w, int64_t row, float* out);
+using MultiplyFn = void (*)(const Weights& w, const Acts& acts, int64_t m, at::Tensor& out);
+// Weight rows row0 .. row0 + rows dequantised into out [rows, k] (float32 or bfloat16).
+using DequantizeFn = void (*)(const Weights& w, int64_t row0, int64_t rows, float* out);
+using DequantizeBf16Fn = void (*)(const Weights& w, int64_t row0, int64_t rows,
+                                  c10::BFloat16* out);
 
 // A format's entry points: its kernel per `Isa`, the offset its stored codes carry there (the
 // integer dot runs on unsigned codes u = q + offset, so the quantised activations start each
-// block's dot at -offset * sum(q)), and its row dequantisation.
+// block's dot at -offset * sum(q)), and its dequantisation to float32 (AVX2) and to bfloat16
+// (AVX-512 BF16, for CPUs that multiply bfloat16 natively).
 struct Format {
   MultiplyFn multiply[2];
   int32_t offset[2];
-  DequantizeRowFn dequantize_row;
+  DequantizeFn dequantize;
+  DequantizeBf16Fn dequantize_bf16;
 };
 
 // y = x @ w.T: x [..., k] float32 or bfloat16 -> [..., n] of x's dtype.
