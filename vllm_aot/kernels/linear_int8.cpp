@@ -14,17 +14,19 @@ using namespace vllm_aot::quant;
 
 struct Int8 {
   static constexpr bool kSigned = true, kHasScale = false, kHasMin = false, kRowScale = true;
+  static constexpr int64_t kGroupBytes = 128;  // codes of four blocks
 
   template <bool kTail>
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
+                                                          int64_t pair) {
     avx2::W256 v;
     avx2::signed_codes<kTail>(w.q + row * w.q_stride + 64 * pair, v);
     return v;
   }
 
   template <bool kTail>
-  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
-                                              int blocks) {
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
+                                                              int64_t group, int blocks) {
     avx512::W512 v;
     avx512::signed_codes<kTail>(w.q + row * w.q_stride + 128 * group, blocks, v);
     return v;

@@ -14,9 +14,11 @@ using namespace vllm_aot::quant;
 
 struct Q4_1 {
   static constexpr bool kSigned = false, kHasScale = true, kHasMin = true, kRowScale = false;
+  static constexpr int64_t kGroupBytes = 64;  // codes of four blocks
 
   template <bool kTail>
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row, int64_t pair) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
+                                                          int64_t pair) {
     avx2::W256 v;
     avx2::nibbles<kTail>(w.q + row * w.q_stride + 32 * pair, v);
     v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
@@ -24,8 +26,8 @@ struct Q4_1 {
   }
 
   template <bool kTail>
-  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row, int64_t group,
-                                              int blocks) {
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
+                                                              int64_t group, int blocks) {
     avx512::W512 v;
     avx512::nibbles<kTail>(w.q + row * w.q_stride + 64 * group, blocks, v);
     v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);

@@ -1,21 +1,22 @@
 // What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp) share: the stored weight
 // as one view, the activations quantised to int8 blocks, the instruction set chosen at run time,
-// and the op's driver, which picks a path by the number of activation rows.
+// and the op's driver, which picks a path by the number of activation rows m.
 //
-// Paths, by rows m (the same for every format):
-// - m <= kMaxIntegerRows: the activations are quantised once per call to int8 blocks of 32 (a
-//   float32 scale each: llama.cpp's q8 activations), and each output is a sum over blocks of
-//   integer dot products times the block's two scales. One weight-row tile at a time is read
-//   from memory and used for every activation row while it sits in L1 (`quant_avx2.h`,
-//   `quant_avx512.h`); m = 1 is the same code with one activation row, streaming the weights at
-//   memory speed. A row's result never depends on the other rows.
-// - larger m (prefill): a tile of weight rows is dequantised into a per-thread buffer (float32,
-//   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM.
+// - m <= kMaxIntegerRows (decode): the activations are quantised once per call to int8 blocks of
+//   32 with a float32 scale each (llama.cpp's q8 blocks), and each output is a sum over blocks of
+//   an integer dot product times the two blocks' scales (`quant_avx2.h`, `quant_avx512.h`). The
+//   weights are read in tiles of a few rows, in parallel over tiles: with one activation row they
+//   stream from memory once, front to back, the tiles ahead prefetched; with more, each tile is
+//   unpacked once and used by every activation row while it sits in L1. A row's result never
+//   depends on the other rows (the same operations in the same order whatever m).
+// - larger m (prefill): chunks of weight rows are dequantised (float32, or bfloat16 where the CPU
+//   multiplies bfloat16 natively) and multiplied by aten's GEMM (`quant.cpp`).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <cstdint>
 
@@ -96,6 +97,26 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& qweight);
 // Checks a stored plane's dtype and shape, and returns it contiguous.
 at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols,
                  const char* what);
+
+// Batch-1 decode streams every weight once, so while one tile of rows runs it asks for what the
+// tile kPrefetchRows further on will read: `bytes` of codes from byte `offset` of each of its R
+// rows and, at a tile's start (offset 0), its rows' block scales and minimums.
+constexpr int64_t kPrefetchRows = 16;
+
+template <int R>
+inline void prefetch_ahead(const Weights& w, int64_t row0, int64_t offset, int64_t bytes) {
+  const int64_t ahead = row0 + kPrefetchRows;
+  for (int r = 0; r < R; ++r)
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w.q + (ahead + r) * w.q_stride + offset + line),
+                   _MM_HINT_T0);
+  if (offset != 0) return;
+  for (const c10::Half* plane : {w.scale, w.min}) {
+    if (plane == nullptr) continue;
+    for (int64_t line = 0; line < R * w.blocks * 2; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(plane + ahead * w.blocks) + line, _MM_HINT_T0);
+  }
+}
 
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }

@@ -84,7 +84,8 @@ VLLM_AOT_AVX2 void dequantize(const Weights& w, int64_t row0, int64_t rows, floa
       const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
       const __m128i first = _mm256_castsi256_si128(codes);
       const __m128i second = _mm256_extracti128_si256(codes, 1);
-      const __m128i eights[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+      const __m128i eights[4] = {first, _mm_srli_si128(first, 8), second,
+                                 _mm_srli_si128(second, 8)};
       for (int i = 0; i < 4; ++i) {
         const __m256i c =
             F::kSigned ? _mm256_cvtepi8_epi32(eights[i]) : _mm256_cvtepu8_epi32(eights[i]);
@@ -97,47 +98,54 @@ VLLM_AOT_AVX2 void dequantize(const Weights& w, int64_t row0, int64_t rows, floa
 }
 
 // acc[b][r] += activation row b . weight row r over one pair (half `half` of a group): x is row
-// 0's group, wr the R weight rows' pair (unpacked).
+// 0's group, wr weight row r's pair (unpacked). One weight row at a time: AVX2 has 16 registers.
 template <class F, int B, int R>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void accumulate(const W256* wr, const ActGroup* x, int64_t num_groups,
-                                     int64_t half, __m256 (&acc)[B][R]) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void accumulate(const W256& wr, int r, const ActGroup* x,
+                                              int64_t num_groups, int64_t half,
+                                              __m256 (&acc)[B][R]) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int b = 0; b < B; ++b) {
     const ActGroup& a = x[b * num_groups];
     const auto* q = reinterpret_cast<const __m256i*>(a.q + 32 * half);
     const __m256i xlo = _mm256_load_si256(q), xhi = _mm256_load_si256(q + 2);
-    const __m256i init = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.init + 8 * half));
-    const __m256 xs = _mm256_load_ps(a.scale + 8 * half);
-    for (int r = 0; r < R; ++r) {
-      __m256i dot;
-      if constexpr (F::kSigned) {
-        // Two int16 products of 127 * 127 each: added as int32, not int16.
-        const __m256i lo = _mm256_maddubs_epi16(wr[r].lo, _mm256_sign_epi8(xlo, wr[r].sign_lo));
-        const __m256i hi = _mm256_maddubs_epi16(wr[r].hi, _mm256_sign_epi8(xhi, wr[r].sign_hi));
-        dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-      } else {
-        const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(wr[r].lo, xlo),
-                                               _mm256_maddubs_epi16(wr[r].hi, xhi));
-        dot = _mm256_add_epi32(_mm256_madd_epi16(sum16, ones), init);
-      }
-      const __m256 s = F::kHasScale ? _mm256_mul_ps(wr[r].scale, xs) : xs;
-      acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[b][r]);
+    __m256i dot;
+    if constexpr (F::kSigned) {
+      // Two int16 products of 127 * 127 each: added as int32, not int16.
+      const __m256i lo = _mm256_maddubs_epi16(wr.lo, _mm256_sign_epi8(xlo, wr.sign_lo));
+      const __m256i hi = _mm256_maddubs_epi16(wr.hi, _mm256_sign_epi8(xhi, wr.sign_hi));
+      dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+    } else {
+      const __m256i sum16 =
+          _mm256_add_epi16(_mm256_maddubs_epi16(wr.lo, xlo), _mm256_maddubs_epi16(wr.hi, xhi));
+      const auto* init = reinterpret_cast<const __m256i*>(a.init + 8 * half);
+      dot = _mm256_add_epi32(_mm256_madd_epi16(sum16, ones), _mm256_load_si256(init));
     }
+    const __m256 xs = _mm256_load_ps(a.scale + 8 * half);
+    const __m256 s = F::kHasScale ? _mm256_mul_ps(wr.scale, xs) : xs;
+    acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[b][r]);
   }
 }
 
-// Eight fp16 values (fewer at the end of a row: zeros after) widened.
+// Eight fp16 values widened; at the end of a row `count` < 8 of them, zeros after (pairs through a
+// masked load, nothing past the row read).
 VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 widen8(const c10::Half* p, int64_t count) {
   if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  uint16_t bits[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::memcpy(bits, p, 2 * count);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
+  const __m128i lanes = _mm_setr_epi32(0, 1, 2, 3), halves = _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m128i pairs = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(count / 2)), lanes);
+  __m128i bits = _mm_maskload_epi32(reinterpret_cast<const int*>(p), pairs);
+  if (count % 2) {
+    uint16_t last;
+    std::memcpy(&last, p + count - 1, 2);
+    const __m128i at = _mm_cmpeq_epi16(_mm_set1_epi16(static_cast<int16_t>(count - 1)), halves);
+    bits = _mm_blendv_epi8(bits, _mm_set1_epi16(static_cast<int16_t>(last)), at);
+  }
+  return _mm256_cvtph_ps(bits);
 }
 
 // acc[b][r] += weight row row0 + r's block minimums . activation row b0 + b's block sums.
 template <int B, int R>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void add_min_terms(const Weights& w, int64_t row0, const Acts& a, int64_t b0,
-                                        __m256 (&acc)[B][R]) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void add_min_terms(const Weights& w, int64_t row0, const Acts& a,
+                                                  int64_t b0, __m256 (&acc)[B][R]) {
   for (int64_t c = 0; c < w.blocks; c += 8) {
     __m256 mins[R];
     for (int r = 0; r < R; ++r) mins[r] = widen8(w.min + (row0 + r) * w.blocks + c, w.blocks - c);
@@ -156,8 +164,8 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m25
 
 // out[b][r] = the accumulators' sums (times the row's scale for per-row formats).
 template <class F, int B, int R, class Out>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, __m256 (&acc)[B][R], Out* out,
-                                 int64_t ldo) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, __m256 (&acc)[B][R],
+                                           Out* out, int64_t ldo) {
   const __m256 zero = _mm256_setzero_ps();
   for (int b = 0; b < B; ++b) {
     for (int r0 = 0; r0 < R; r0 += 4) {
@@ -187,14 +195,20 @@ VLLM_AOT_AVX2 void direct_tile(const Weights& w, int64_t row0, const Acts& a, in
   zero(acc);
   const int64_t full = w.blocks / 2;
   const ActGroup* x = a.groups + b0 * a.num_groups;
-  W256 wr[R];
   for (int64_t p = 0; p < full; ++p) {
-    for (int r = 0; r < R; ++r) wr[r] = F::template load256<false>(w, row0 + r, p);
-    accumulate<F, B, R>(wr, x + p / 2, a.num_groups, p % 2, acc);
+    if constexpr (B == 1) {
+      if (p % 2 == 0) prefetch_ahead<R>(w, row0, p * F::kGroupBytes / 2, F::kGroupBytes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const W256 wr = F::template load256<false>(w, row0 + r, p);
+      accumulate<F>(wr, r, x + p / 2, a.num_groups, p % 2, acc);
+    }
   }
   if (w.blocks % 2) {
-    for (int r = 0; r < R; ++r) wr[r] = F::template load256<true>(w, row0 + r, full);
-    accumulate<F, B, R>(wr, x + full / 2, a.num_groups, full % 2, acc);
+    for (int r = 0; r < R; ++r) {
+      const W256 wr = F::template load256<true>(w, row0 + r, full);
+      accumulate<F>(wr, r, x + full / 2, a.num_groups, full % 2, acc);
+    }
   }
   if constexpr (F::kHasMin) add_min_terms(w, row0, a, b0, acc);
   finish<F>(w, row0, acc, out + b0 * w.n + row0, w.n);
@@ -208,7 +222,8 @@ VLLM_AOT_AVX2 void buffered_tile(const Weights& w, int64_t row0, const W256* til
   zero(acc);
   const ActGroup* x = a.groups + b0 * a.num_groups;
   for (int64_t p = 0; p < (w.blocks + 1) / 2; ++p)
-    accumulate<F, B, R>(tile + p * R, x + p / 2, a.num_groups, p % 2, acc);
+    for (int r = 0; r < R; ++r)
+      accumulate<F>(tile[p * R + r], r, x + p / 2, a.num_groups, p % 2, acc);
   if constexpr (F::kHasMin) add_min_terms(w, row0, a, b0, acc);
   finish<F>(w, row0, acc, out + b0 * w.n + row0, w.n);
 }

@@ -79,22 +79,25 @@ VLLM_AOT_AVX512_BF16 void dequantize_bf16(const Weights& w, int64_t row0, int64_
       const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
       __m512 half[2];
       for (int i = 0; i < 2; ++i) {
-        const __m128i sixteen = i ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes);
-        const __m512i c = F::kSigned ? _mm512_cvtepi8_epi32(sixteen) : _mm512_cvtepu8_epi32(sixteen);
+        const __m128i sixteen =
+            i ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes);
+        const __m512i c =
+            F::kSigned ? _mm512_cvtepi8_epi32(sixteen) : _mm512_cvtepu8_epi32(sixteen);
         half[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), vd, vm);
       }
       _mm512_storeu_si512(o + kBlock * b, (__m512i)_mm512_cvtne2ps_pbh(half[1], half[0]));
     }
     const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
-    for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i) o[i] = c10::BFloat16(q[i] * w.row_scale[row0 + r]);
+    for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i)
+      o[i] = c10::BFloat16(q[i] * w.row_scale[row0 + r]);
   }
 }
 
 // acc[b][r] += activation row b . weight row r over one group: x is row 0's group, wr the R
 // weight rows' (unpacked).
 template <class F, int B, int R>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void accumulate(const W512* wr, const ActGroup* x, int64_t num_groups,
-                                       __m512 (&acc)[B][R]) {
+VLLM_AOT_AVX512 VLLM_AOT_INLINE void accumulate(const W512* wr, const ActGroup* x,
+                                                int64_t num_groups, __m512 (&acc)[B][R]) {
   for (int b = 0; b < B; ++b) {
     const ActGroup& a = x[b * num_groups];
     const __m512i xlo = _mm512_load_si512(a.q), xhi = _mm512_load_si512(a.q + 64);
@@ -138,8 +141,8 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m
 
 // out[b][r] = the accumulators' sums (times the row's scale for per-row formats).
 template <class F, int B, int R, class Out>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, __m512 (&acc)[B][R], Out* out,
-                                   int64_t ldo) {
+VLLM_AOT_AVX512 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, __m512 (&acc)[B][R],
+                                            Out* out, int64_t ldo) {
   const __m512 zero = _mm512_setzero_ps();
   for (int b = 0; b < B; ++b) {
     for (int r0 = 0; r0 < R; r0 += 4) {
@@ -155,7 +158,7 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, __m5
   }
 }
 
-template <class F, int B, int R>
+template <int B, int R>
 VLLM_AOT_AVX512 VLLM_AOT_INLINE void zero(__m512 (&acc)[B][R]) {
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
@@ -166,12 +169,13 @@ template <class F, int B, int R, class Out>
 VLLM_AOT_AVX512 void direct_tile(const Weights& w, int64_t row0, const Acts& a, int64_t b0,
                                  Out* out) {
   __m512 acc[B][R];
-  zero<F>(acc);
+  zero(acc);
   const int64_t full = w.blocks / kGroupBlocks;
   const int tail = static_cast<int>(w.blocks % kGroupBlocks);
   const ActGroup* x = a.groups + b0 * a.num_groups;
   W512 wr[R];
   for (int64_t g = 0; g < full; ++g) {
+    if constexpr (B == 1) prefetch_ahead<R>(w, row0, g * F::kGroupBytes, F::kGroupBytes);
     for (int r = 0; r < R; ++r) wr[r] = F::template load512<false>(w, row0 + r, g, kGroupBlocks);
     accumulate<F, B, R>(wr, x + g, a.num_groups, acc);
   }
@@ -188,9 +192,10 @@ template <class F, int B, int R, class Out>
 VLLM_AOT_AVX512 void buffered_tile(const Weights& w, int64_t row0, const W512* tile,
                                    const Acts& a, int64_t b0, Out* out) {
   __m512 acc[B][R];
-  zero<F>(acc);
+  zero(acc);
   const ActGroup* x = a.groups + b0 * a.num_groups;
-  for (int64_t g = 0; g < a.num_groups; ++g) accumulate<F, B, R>(tile + g * R, x + g, a.num_groups, acc);
+  for (int64_t g = 0; g < a.num_groups; ++g)
+    accumulate<F, B, R>(tile + g * R, x + g, a.num_groups, acc);
   if constexpr (F::kHasMin) add_min_terms(w, row0, a, b0, acc);
   finish<F>(w, row0, acc, out + b0 * w.n + row0, w.n);
 }
@@ -214,9 +219,11 @@ VLLM_AOT_AVX512 void rows(const Weights& w, int64_t row0, const Acts& a, int64_t
   for (int64_t g = 0; g < full; ++g)
     for (int r = 0; r < R; ++r) tile[g * R + r] = F::template load512<false>(w, row0 + r, g, 4);
   if (tail)
-    for (int r = 0; r < R; ++r) tile[full * R + r] = F::template load512<true>(w, row0 + r, full, tail);
+    for (int r = 0; r < R; ++r)
+      tile[full * R + r] = F::template load512<true>(w, row0 + r, full, tail);
   int64_t b = 0;
-  for (; b + kBlockActs <= m; b += kBlockActs) buffered_tile<F, kBlockActs, R>(w, row0, tile, a, b, out);
+  for (; b + kBlockActs <= m; b += kBlockActs)
+    buffered_tile<F, kBlockActs, R>(w, row0, tile, a, b, out);
   switch (m - b) {
     case 3: return buffered_tile<F, 3, R>(w, row0, tile, a, b, out);
     case 2: return buffered_tile<F, 2, R>(w, row0, tile, a, b, out);
