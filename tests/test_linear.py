@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import int8_activation_bound
 from vllm_aot import kernels
 from vllm_aot.models.formats import (
     ATEN,
     LINEAR_BF16,
+    QUANTIZED_KERNELS,
     WEIGHT_FORMATS,
     dense_format,
     weight_format,
@@ -40,6 +42,12 @@ KERNELS_OFF = CpuFeatures(can_use_kernels=False, has_native_bf16=False)
         ("bf16", KERNELS_OFF, ATEN),  # VLLM_AOT_KERNELS=0 or not x86-64 AVX2
         ("fp32", AVX2_ONLY, ATEN),
         ("fp32", NATIVE_BF16, ATEN),
+        *(
+            (fmt, cpu, QUANTIZED_KERNELS[fmt])
+            for fmt in QUANTIZED_KERNELS
+            for cpu in (AVX2_ONLY, NATIVE_BF16)
+        ),
+        *((fmt, KERNELS_OFF, f"torch.dequantize/{fmt}") for fmt in QUANTIZED_KERNELS),
     ],
 )
 def test_kernel_choice_follows_the_cpu(fmt, cpu, kernel):
@@ -96,7 +104,11 @@ def test_every_format_multiplies_like_the_float_linear(name):
         got = kernel.apply(x, *stored, b.to(x.dtype)).float()
         # bfloat16 keeps 8 bits of mantissa: relative error ~2^-8 per product, summed over 64.
         tol = 1e-5 if x.dtype == torch.float32 else 5e-2 * want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=kernel.name)
+        if kernel.name in QUANTIZED_KERNELS.values():  # int8 activation blocks
+            bound = int8_activation_bound(x, fmt.dequantize(*stored)) + tol
+            assert ((got - want).abs() <= bound).all(), kernel.name
+        else:
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=kernel.name)
 
 
 def test_unknown_format_names_the_supported_ones():

@@ -5,6 +5,14 @@
   bfloat16 matmul runs 5-10x slower than the same product in float32 once more than one row
   multiplies the weights; this kernel widens the weights in registers and runs at float32 speed
   while reading half the bytes.
+- `vllm_aot::linear_int8|q8_0|q4_0|q4_1(x, *stored)` (`linear_<format>.cpp`, sharing `quant.h`):
+  `x @ W.T` straight from a quantised weight's stored tensors (the layouts of `models/formats.py`),
+  x float32 or bfloat16, the result in x's dtype. Up to 32 rows the activations are quantised once
+  per call to int8 blocks of 32 (llama.cpp's q8 blocks) and multiplied by integer dot products:
+  one row streams the weights once, front to back (batch-1 decode, bound by memory), 2-32 rows
+  unpack each tile of weight rows once for all of them (`quant_avx2.h`, `quant_avx512.h`); more
+  rows (prefill) dequantise the weights in chunks for aten's GEMM (`quant.cpp`). A row's result
+  never depends on the other rows.
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens)`
   (`decode_attention.cpp`): paged attention of one query per row that reads only the row's real
   context, where the pure-torch version (`models.layers.decode_attention`, the reference) attends
@@ -19,7 +27,11 @@ for debugging and comparison.
 
 Each `.cpp` file here defines its ops, their CPU implementation and their shape function (a Meta
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
-folder, built with the machine's C++ compiler (the one Inductor uses). It is installed once per
+folder, built with the machine's C++ compiler (the one Inductor uses) for AVX2 + FMA. Faster
+instruction sets are functions compiled for their own target (`__attribute__((target))`) and
+chosen at run time from the CPU's features: the quantised linears take AVX-512 VNNI where the CPU
+has it, unless `VLLM_AOT_KERNEL_ISA=avx2` (read once per process, by the library) forces the
+AVX2 path; `vllm_aot::quant_isa()` names the path taken. It is installed once per
 machine in `<cache root>/kernels/<build digest>/` (`library_dir()`; the digest covers the
 sources, flags, torch version and machine: `build_fingerprint()`) with a record (`library.json`:
 the fingerprint and the library's sha256) written before the directory is renamed into place,

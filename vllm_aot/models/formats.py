@@ -19,8 +19,9 @@ GGUF files give the quantised formats' tensors as they are (`models/gguf.py`); `
 quantises a float weight the way llama.cpp does (tests, `--quantization int8`).
 
 Which kernel a format picks on a CPU is named in every program's cache key
-(`kernels.program_kernels`); where our kernels cannot run, the quantised formats multiply through
-their pure-torch dequantisation (the reference the kernels are tested against).
+(`kernels.program_kernels`): the quantised formats' own op (`kernels/linear_<format>.cpp`, bias
+added after) wherever our kernels run, else their pure-torch dequantisation (the reference the
+kernels are tested against).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from vllm_aot.models.linear import CpuFeatures, LinearKernel, WeightFormat
 # Kernel names: the contracts a program's cache key names; bump the version when one changes.
 ATEN = "aten"
 LINEAR_BF16 = "vllm_aot.linear_bf16/1"
+
+# The quantised formats' kernels (`kernels/linear_<format>.cpp`): x @ W.T from the stored tensors.
+QUANTIZED_KERNELS = MappingProxyType(
+    {fmt: f"vllm_aot.linear_{fmt}/1" for fmt in ("int8", "q8_0", "q4_0", "q4_1")}
+)
 
 ATEN_LINEAR = LinearKernel(ATEN, F.linear)
 
@@ -146,16 +152,24 @@ def _dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.
     return blocks.reshape(qweight.shape[0], -1)
 
 
-def _reference_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKernel]:
-    """The pure-torch multiplication: dequantise to float32, multiply, in the activations' dtype."""
+def _quantized_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKernel]:
+    """Our op where our kernels run (int8 activation blocks for up to 48 rows: see
+    `kernels/quant.h`), else the pure-torch multiplication: dequantise to float32, multiply, in
+    the activations' dtype."""
 
-    def apply(x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+    def reference(x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
         *tensors, bias = stored
         y = F.linear(x.float(), dequantize(*tensors))
         return (y if bias is None else y + bias.float()).to(x.dtype)
 
-    kernel = LinearKernel(f"torch.dequantize/{name}", apply)
-    return lambda cpu: kernel
+    def ours(x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        *tensors, bias = stored
+        y = getattr(torch.ops.vllm_aot, f"linear_{name}")(x, *tensors)
+        return y if bias is None else y + bias
+
+    kernel = LinearKernel(QUANTIZED_KERNELS[name], ours)
+    fallback = LinearKernel(f"torch.dequantize/{name}", reference)
+    return lambda cpu: kernel if cpu.can_use_kernels else fallback
 
 
 def _planes(*planes: tuple[torch.dtype, int]) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
@@ -178,7 +192,7 @@ def _quantized(name, tensor_names, quantize, dequantize, planes) -> WeightFormat
         tensor_names=tensor_names,
         prepare=quantize,
         example=_planes(*planes),
-        kernel=_reference_kernel(name, dequantize),
+        kernel=_quantized_kernel(name, dequantize),
         dequantize=dequantize,
     )
 

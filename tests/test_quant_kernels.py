@@ -1,0 +1,148 @@
+"""The quantised-weight kernels (`kernels/linear_<format>.cpp`) against their formats' reference
+(`dequantize` then a float32 linear), on every row-count path, on AVX-512 VNNI where this CPU has
+it and on the AVX2 path forced in a child process (`VLLM_AOT_KERNEL_ISA=avx2`).
+
+The tolerance, and why: up to 32 rows the kernels quantise the activations to int8 blocks of 32
+(scale d = the block's largest |x| / 127, as llama.cpp's q8 blocks), so each activation moves by
+at most d / 2 and each output by at most sum_j |W[r, j]| * d(j) / 2; the sums themselves are
+exact (integers) or float32. Beyond 32 rows the weights are dequantised to float32, or to
+bfloat16 for bfloat16 activations where the CPU multiplies bfloat16 natively (a weight moves by
+at most 2^-9 of itself, and 2^-9 * |x| <= 2^-9 * 127 d < d / 2: inside the same bound). Outputs in
+bfloat16 add their own rounding (2^-8 of the value). So every path must land within
+`sum |W| * d / 2 + 1e-5 * (|x| @ |W|.T) + (bfloat16 out: 2^-8 * |y|)` of the reference; the
+integer paths must moreover equal, to float32 accuracy, the product of the activations as
+quantised, and a row's result must not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import int8_activation_bound
+from vllm_aot import kernels
+from vllm_aot.models.formats import QUANTIZED_KERNELS, WEIGHT_FORMATS
+
+pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMATS = tuple(QUANTIZED_KERNELS)
+ROWS = (1, 2, 3, 5, 8, 17, 32, 33, 64, 300)
+MAX_INTEGER_ROWS = 32  # `kernels/quant.h`: kMaxIntegerRows
+# (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
+SHAPES = ((7, 96), (33, 576), (65, 1536))
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as the kernels quantise it: the values its int8 blocks stand for."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = (blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d))).round()
+    return (q * d).reshape(x.shape)
+
+
+def op(fmt: str):
+    return getattr(torch.ops.vllm_aot, f"linear_{fmt}")
+
+
+def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    """Every row count of ROWS for one format, shape and activation dtype."""
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(out_features, in_features, generator=g))
+    weight = WEIGHT_FORMATS[fmt].dequantize(*stored)
+    bf16_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    for rows in ROWS:
+        # Inputs of different sizes, so blocks have different scales.
+        spread = torch.rand(in_features, generator=g)
+        x = (torch.randn(rows, in_features, generator=g) * spread).to(dtype)
+        got = op(fmt)(x, *stored)
+        assert got.dtype == dtype and got.shape == (rows, out_features), (fmt, rows)
+        want = F.linear(x.float(), weight)
+        tolerance = int8_activation_bound(x, weight) + bf16_out * want.abs()
+        error = (got.float() - want).abs()
+        assert (error <= tolerance).all(), f"{fmt} {rows}x{in_features}: {error - tolerance}"
+        if rows <= MAX_INTEGER_ROWS:
+            x_hat = quantized_activations(x)
+            exact = F.linear(x_hat, weight)
+            slack = 1e-5 * (x_hat.abs() @ weight.abs().T) + bf16_out * exact.abs()
+            assert ((got.float() - exact).abs() <= slack).all(), f"{fmt} {rows}: not q8 blocks"
+            alone = op(fmt)(x[rows // 2 :][:1], *stored)
+            assert torch.equal(alone[0], got[rows // 2]), f"{fmt}: row depends on the batch"
+
+
+def check_all() -> None:
+    for fmt in FORMATS:
+        for out_features, in_features in SHAPES:
+            for dtype in DTYPES:
+                check_case(fmt, out_features, in_features, dtype)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded():
+    kernels.load()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_matches_the_reference_on_every_row_path(fmt, dtype):
+    for out_features, in_features in SHAPES:
+        check_case(fmt, out_features, in_features, dtype)
+
+
+def test_the_avx2_path_matches_too():
+    """The same checks in a child process that forces the AVX2 path (the floor every CPU with
+    our kernels runs; this machine may pick AVX-512 VNNI)."""
+    script = (
+        "import torch; from vllm_aot import kernels; kernels.load()\n"
+        "assert torch.ops.vllm_aot.quant_isa() == 'avx2'\n"
+        "from tests.test_quant_kernels import check_all; check_all(); print('ok')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_AOT_KERNEL_ISA": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_int8_rows_of_any_length():
+    """int8 rows need not be whole blocks of 32 (they take the dequantising path)."""
+    stored = WEIGHT_FORMATS["int8"].prepare(torch.randn(9, 100))
+    x = torch.randn(3, 100)
+    want = F.linear(x, WEIGHT_FORMATS["int8"].dequantize(*stored))
+    torch.testing.assert_close(op("int8")(x, *stored), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_registered_kernel_keeps_leading_dimensions_and_adds_bias(fmt):
+    stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(16, 64))
+    kernel = WEIGHT_FORMATS[fmt].kernel(kernels.cpu_features())
+    assert kernel.name == QUANTIZED_KERNELS[fmt]
+    x, bias = torch.randn(2, 3, 64).bfloat16(), torch.randn(16).bfloat16()
+    got = kernel.apply(x, *stored, bias)
+    assert got.shape == (2, 3, 16) and got.dtype == torch.bfloat16
+    want = op(fmt)(x.reshape(6, 64), *stored).reshape(2, 3, 16) + bias
+    torch.testing.assert_close(got, want)
+    meta = op(fmt)(x.to("meta"), *(t.to("meta") for t in stored))
+    assert meta.shape == (2, 3, 16) and meta.dtype == torch.bfloat16
+
+
+def test_wrong_planes_are_refused_naming_the_layout():
+    qweight, scale, minimum = WEIGHT_FORMATS["q4_1"].prepare(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match=r"linear_q4_1 scale: expected Half \[8, 2\]"):
+        op("q4_1")(torch.randn(1, 64), qweight, scale.float(), minimum)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 activations"):
+        op("q4_1")(torch.randn(1, 64).half(), qweight, scale, minimum)
+
+
+def test_the_chosen_path_follows_the_cpu():
+    avx512_vnni = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+    forced = os.environ.get("VLLM_AOT_KERNEL_ISA") == "avx2"
+    expected = "avx512_vnni" if avx512_vnni and not forced else "avx2"
+    assert torch.ops.vllm_aot.quant_isa() == expected

@@ -1,0 +1,70 @@
+// y = x @ W.T for an int8 weight: qweight int8 [n, k], scale float32 [n]; w = q * scale (per
+// output channel, symmetric). The paths by rows are `quant.h`'s, the codes handled as q8_0's
+// (`linear_q8_0.cpp`) without block scales, the row's scale applied once to its sum. Rows whose
+// k is not a multiple of 32 take the dequantising path whatever m.
+#include <torch/library.h>
+
+#include "quant.h"
+#include "quant_avx2.h"
+#include "quant_avx512.h"
+
+namespace {
+
+using namespace vllm_aot::quant;
+
+struct Int8 {
+  static constexpr bool kSigned = true, kHasScale = false, kHasMin = false, kRowScale = true;
+  static constexpr int64_t kGroupBytes = 128;  // codes of four blocks
+
+  template <bool kTail>
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
+                                                          int64_t pair) {
+    avx2::W256 v;
+    avx2::signed_codes<kTail>(w.q + row * w.q_stride + 64 * pair, v);
+    return v;
+  }
+
+  template <bool kTail>
+  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
+                                                              int64_t group, int blocks) {
+    avx512::W512 v;
+    avx512::signed_codes<kTail>(w.q + row * w.q_stride + 128 * group, blocks, v);
+    return v;
+  }
+
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
+  }
+
+  static void affine(const Weights& w, int64_t row, int64_t, float& d, float& m) {
+    d = w.row_scale[row];
+    m = 0.f;
+  }
+};
+
+const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>}, {0, 128},
+                   avx2::dequantize<Int8>, avx512::dequantize_bf16<Int8>};
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
+  TORCH_CHECK(qweight.dim() == 2, "linear_int8: qweight int8 [n, k]");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const at::Tensor q = plane(qweight, at::kChar, n, k, "linear_int8 qweight");
+  const at::Tensor s = plane(scale, at::kFloat, n, -1, "linear_int8 scale");
+  const Weights w{reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), nullptr, nullptr,
+                  s.data_ptr<float>(), k, k / kBlock, n, k};
+  return linear(x, w, kInt8);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_aot, m) {
+  m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_aot, CPU, m) { m.impl("linear_int8", &linear_int8); }
+
+TORCH_LIBRARY_IMPL(vllm_aot, Meta, m) {
+  m.impl("linear_int8", [](const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&) {
+    return linear_meta(x, qweight);
+  });
+}
