@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from vllm_aot import kernels
 from vllm_aot.models.formats import ATEN, LINEAR_BF16, WEIGHT_FORMATS
-from vllm_aot.models.layers import decode_attention
+from vllm_aot.models.layers import PagedKV, decode_attention, quantize_kv
 from vllm_aot.models.linear import CpuFeatures
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
@@ -46,28 +46,68 @@ def test_linear_keeps_leading_dimensions_and_adds_bias():
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_reference(dtype):
+def decode_attention_case(dtype, pool_dtype, scales=(1.0, 1.0)):
     """Rows with no context (padding rows), part of a block, exactly a block, several blocks and
-    the whole bucket; block tables in any order, with dummy entries past each row's length."""
+    the whole bucket; block tables in any order, with dummy entries past each row's length.
+    Returns (q, k_new, v_new, cache, block tables, context mask)."""
     g = torch.Generator().manual_seed(0)
     rows, heads, kv_heads, dim, block, blocks, width = 6, 9, 3, 64, 16, 40, 8
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
     k_new, v_new = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_scale, v_scale = (torch.tensor(s) for s in scales)
     k_pool, v_pool = (
-        torch.randn(blocks, block, kv_heads, dim, generator=g).to(dtype) for _ in range(2)
+        quantize_kv(torch.randn(blocks, block, kv_heads, dim, generator=g), s, pool_dtype)
+        for s in (k_scale, v_scale)
     )
     lengths = torch.tensor([0, 1, 15, 16, 70, width * block])
     tables = torch.randint(1, blocks, (rows, width), generator=g)
     tables[torch.arange(width)[None] * block >= lengths[:, None]] = 0  # the dummy block
     mask = torch.arange(width * block)[None] < lengths[:, None]
-    want = decode_attention(q, k_new, v_new, k_pool, v_pool, tables, mask)
-    got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(
-        q, k_new, v_new, k_pool, v_pool, tables, mask
-    )
-    assert got.dtype == dtype and got.shape == (rows, heads * dim)
+    return q, k_new, v_new, PagedKV(k_pool, v_pool, k_scale, v_scale), tables, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(dtype):
+    case = decode_attention_case(dtype, dtype)
+    want = decode_attention(*case)
+    got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(*case)
+    assert got.dtype == dtype and got.shape == want.shape == (6, 9 * 64)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
+def test_decode_attention_reads_fp8_pools_as_the_reference(dtype, pool_dtype, scales):
+    """Every fp8 byte widened through the kernel's table, the scales applied (folded into the
+    query for keys, into the sum for values) as the reference's dequantised pools."""
+    case = decode_attention_case(dtype, pool_dtype, scales)
+    assert case[3].k.dtype == pool_dtype
+    want = decode_attention(*case)
+    got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(*case)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_finite_fp8_value_reads_back_as_torch_converts_it(pool_dtype):
+    """Row i reads one cached value vector holding every finite value of the format, rotated by
+    i, beside a zero own value under equal scores: its output is exactly half of it."""
+    codes = torch.arange(256, dtype=torch.uint8).view(pool_dtype)
+    finite = codes[codes.float().isfinite()]  # [n]
+    n, dim = finite.numel(), 64
+    rotated = (torch.arange(n)[:, None] + torch.arange(dim)[None]) % n
+    v_pool = finite[rotated].view(n, 1, 1, dim)  # one position per block
+    one, zeros = torch.ones(()), torch.zeros(n, 1, dim)
+    cache = PagedKV(torch.zeros_like(v_pool), v_pool, one, one)
+    tables = torch.arange(n)[:, None]
+    mask = torch.ones(n, 1, dtype=torch.bool)
+    got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(
+        zeros, zeros, zeros, cache, tables, mask
+    )
+    assert torch.equal(got, 0.5 * v_pool.float().view(n, dim))
 
 
 def test_kernels_off_selects_aten_and_torch(monkeypatch):

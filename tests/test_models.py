@@ -23,7 +23,13 @@ from vllm_aot.models.config import (
 )
 from vllm_aot.models.family import Family, LayerParams, LayerSpec, Norm
 from vllm_aot.models.formats import ATEN_LINEAR
-from vllm_aot.models.layers import apply_rotary, prefill_attention, rms_norm, rotary_cos_sin
+from vllm_aot.models.layers import (
+    PagedKV,
+    apply_rotary,
+    prefill_attention,
+    rms_norm,
+    rotary_cos_sin,
+)
 from vllm_aot.models.linear import Shard
 from vllm_aot.models.registry import arch_from_hf_config, family_of, load_arch
 from vllm_aot.models.tiny import make_tiny_model
@@ -61,7 +67,8 @@ class OurLayer:
         causal = torch.ones(len(x), len(x), dtype=torch.bool).tril()
 
         def attend(q, k, v):
-            return prefill_attention(q, k, v, empty_pool, empty_pool, no_context, causal)
+            cache = PagedKV(empty_pool, empty_pool, torch.ones(()), torch.ones(()))
+            return prefill_attention(q, k, v, cache, no_context, causal)
 
         return self.family.decoder_layer(
             x,

@@ -13,10 +13,11 @@
   unpack each tile of weight rows once for all of them (`quant_avx2.h`, `quant_avx512.h`); more
   rows (prefill) dequantise the weights in chunks for aten's GEMM (`quant.cpp`). A row's result
   never depends on the other rows.
-- `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens)`
-  (`decode_attention.cpp`): paged attention of one query per row that reads only the row's real
-  context, where the pure-torch version (`models.layers.decode_attention`, the reference) attends
-  over the whole static context bucket and Inductor's code for it is mostly gathers.
+- `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
+  k_scale, v_scale)` (`decode_attention.cpp`): paged attention of one query per row that reads
+  only the row's real context (pools of q's dtype, or fp8 with the layer's scales), where the
+  pure-torch version (`models.layers.decode_attention`, the reference) attends over the whole
+  static context bucket and Inductor's code for it is mostly gathers.
 
 Which implementation a program calls is fixed when it is compiled (`program_kernels`, part of
 its cache key): the linear's from its weight format's choice for this CPU (`models/formats.py`
@@ -82,7 +83,7 @@ _LIBRARY = "vllm_aot_kernels"
 LIBRARY_FILE = f"{_LIBRARY}.so"  # what torch's builder names it
 RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
-DECODE_ATTENTION = "vllm_aot.decode_attention/1"
+DECODE_ATTENTION = "vllm_aot.decode_attention/2"
 TORCH = "torch"
 _LIBRARY_OPS = "vllm_aot."  # the prefix of every kernel name that is one of our ops
 
@@ -142,11 +143,11 @@ def decode_attention_fn(impl: str):
     return _kernel_decode_attention
 
 
-def _kernel_decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_mask):
+def _kernel_decode_attention(q, k_new, v_new, cache, block_tables, context_mask):
     # The mask is a prefix of each row's context bucket: its length is the row's context.
     lengths = context_mask.sum(-1)
     return torch.ops.vllm_aot.decode_attention(
-        q, k_new, v_new, k_pool, v_pool, block_tables, lengths
+        q, k_new, v_new, cache.k, cache.v, block_tables, lengths, cache.k_scale, cache.v_scale
     )
 
 

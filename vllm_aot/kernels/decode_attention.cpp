@@ -3,7 +3,9 @@
 // Reads only the row's real context (context_lens[r] tokens through its block table), so a
 // static context bucket costs a short sequence nothing but the size of its block-table row.
 // Grouped-query: the `group` query heads of a KV head share each key and value read. Scores,
-// softmax and the weighted sum are float32 whatever the cache dtype (float32 or bfloat16).
+// softmax and the weighted sum are float32 whatever the cache dtype: the model's (float32 or
+// bfloat16), or fp8 (e4m3fn, e5m2: elements widened through a table, `fp8.h`, and the layer's
+// per-tensor scales folded into the query for keys and into the sum for values).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "avx2.h"
+#include "fp8.h"
 
 namespace {
 
@@ -35,38 +38,51 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return total;
 }
 
-// out[0:d] = sum over t < n of p[t] * value(t)[0:d], accumulated in D = d / 8 registers.
-template <int D, typename T, typename Value>
-inline void weighted_sum(const float* p, int64_t n, Value value, float* out) {
+// out[0:d] = v_scale * (sum over t < n of p[t] * value(t)[0:d]) + p[n] * own[0:d]: the cached
+// values (stored as value / v_scale), then the row's own, in D = d / 8 registers. A scale of 1
+// multiplies nothing, so pools of the model's dtype sum exactly as one loop over n + 1 values.
+template <int D, typename P, typename T, typename Value>
+inline void weighted_sum(const float* p, int64_t n, Value value, float v_scale, const T* own,
+                         float* out) {
   __m256 acc[D];
   for (int j = 0; j < D; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     const __m256 w = _mm256_set1_ps(p[t]);
-    const T* v = value(t);
+    const P* v = value(t);
     for (int j = 0; j < D; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
   }
+  if (v_scale != 1.f)
+    for (int j = 0; j < D; ++j) acc[j] = _mm256_mul_ps(acc[j], _mm256_set1_ps(v_scale));
+  const __m256 w = _mm256_set1_ps(p[n]);
+  for (int j = 0; j < D; ++j) acc[j] = _mm256_fmadd_ps(w, load8(own + 8 * j), acc[j]);
   for (int j = 0; j < D; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
 }
 
 // The same for any d: in registers for the common head sizes, a plain loop otherwise.
-template <typename T, typename Value>
-inline void weighted_sum_any(const float* p, int64_t n, Value value, int64_t d, float* out) {
+template <typename P, typename T, typename Value>
+inline void weighted_sum_any(const float* p, int64_t n, Value value, float v_scale, const T* own,
+                             int64_t d, float* out) {
   switch (d) {
-    case 64: return weighted_sum<8, T>(p, n, value, out);
-    case 128: return weighted_sum<16, T>(p, n, value, out);
+    case 64: return weighted_sum<8, P>(p, n, value, v_scale, own, out);
+    case 128: return weighted_sum<16, P>(p, n, value, v_scale, own, out);
     default:
       std::fill(out, out + d, 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const T* v = value(t);
+        const P* v = value(t);
         for (int64_t i = 0; i < d; ++i) out[i] += p[t] * static_cast<float>(v[i]);
       }
+      if (v_scale != 1.f)
+        for (int64_t i = 0; i < d; ++i) out[i] *= v_scale;
+      for (int64_t i = 0; i < d; ++i) out[i] += p[n] * static_cast<float>(own[i]);
   }
 }
 
-template <typename T>
+// T: q, the new K/V and the output (float32 or bfloat16); P: the pools' elements (T, or an fp8
+// type whose elements are key / k_scale and value / v_scale).
+template <typename T, typename P>
 void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
             const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_tables,
-            const at::Tensor& context_lens, at::Tensor& out) {
+            const at::Tensor& context_lens, float k_scale, float v_scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
   const int64_t block_size = k_pool.size(1), max_blocks = block_tables.size(1);
@@ -75,31 +91,39 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const T* qp = q.data_ptr<T>();
   const T* knp = k_new.data_ptr<T>();
   const T* vnp = v_new.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
+  const P* kp = k_pool.data_ptr<P>();
+  const P* vp = v_pool.data_ptr<P>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(d), scores(group * (max_keys + 1));
+    std::vector<float> qf(group * d), qk(group * d), acc(d), scores(group * (max_keys + 1));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = std::min(lens[r], max_keys);
       const int64_t* table = tables + r * max_blocks;
-      // Cached position t, then the row's new key/value at t == len.
-      auto at = [&](const T* pool, const T* own, int64_t t) {
-        if (t == len) return own + (r * kv_heads + h) * d;
+      const int64_t own = (r * kv_heads + h) * d;  // the row's new key/value, at t == len
+      auto cached = [&](const P* pool, int64_t t) {  // cached position t < len
         const int64_t block = table[t / block_size];
         return pool + (block * block_size + t % block_size) * token_stride + h * d;
       };
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
           qf[g * d + i] = static_cast<float>(qp[(r * heads + h * group + g) * d + i]) * scale;
-      for (int64_t t = 0; t <= len; ++t) {
-        const T* key = at(kp, knp, t);
-        for (int64_t g = 0; g < group; ++g) scores[g * (max_keys + 1) + t] = dot(&qf[g * d], key, d);
+      // q . key == (q * k_scale) . stored key
+      const float* q_cached = qf.data();
+      if (k_scale != 1.f) {
+        for (int64_t i = 0; i < group * d; ++i) qk[i] = qf[i] * k_scale;
+        q_cached = qk.data();
       }
+      for (int64_t t = 0; t < len; ++t) {
+        const P* key = cached(kp, t);
+        for (int64_t g = 0; g < group; ++g)
+          scores[g * (max_keys + 1) + t] = dot(&q_cached[g * d], key, d);
+      }
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * (max_keys + 1) + len] = dot(&qf[g * d], knp + own, d);
       for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * (max_keys + 1)];
         float top = -std::numeric_limits<float>::infinity();
@@ -108,8 +132,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         for (int64_t t = 0; t <= len; ++t) total += (s[t] = std::exp(s[t] - top));
         const float inv = 1.f / total;
         for (int64_t t = 0; t <= len; ++t) s[t] *= inv;
-        auto value = [&](int64_t t) { return at(vp, vnp, t); };
-        weighted_sum_any<T>(s, len + 1, value, d, acc.data());
+        auto value = [&](int64_t t) { return cached(vp, t); };
+        weighted_sum_any<P>(s, len, value, v_scale, vnp + own, d, acc.data());
         T* dst = op + r * heads * d + (h * group + g) * d;
         for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i]);
       }
@@ -117,9 +141,38 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   });
 }
 
+// The pools' element type: the model's (q's) dtype, or an fp8 format.
+template <typename T>
+void attend_pools(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                  const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, float k_scale,
+                  float v_scale, at::Tensor& out) {
+  const auto pool = k_pool.scalar_type();
+  TORCH_CHECK(v_pool.scalar_type() == pool, "decode_attention: K and V pools of one dtype");
+  if (pool == q.scalar_type()) {
+    attend<T, T>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens, k_scale, v_scale,
+                 out);
+  } else if (pool == at::kFloat8_e4m3fn) {
+    attend<T, c10::Float8_e4m3fn>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
+                                  k_scale, v_scale, out);
+  } else {
+    TORCH_CHECK(pool == at::kFloat8_e5m2,
+                "decode_attention: pools of q's dtype, float8_e4m3fn or float8_e5m2");
+    attend<T, c10::Float8_e5m2>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
+                                k_scale, v_scale, out);
+  }
+}
+
+float scalar(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "decode_attention: ", name,
+              " must be one float32");
+  return *t.data_ptr<float>();
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                             const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens) {
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && k_pool.dim() == 4,
               "decode_attention: q [rows, heads, d], k_new [rows, kv, d], pools [n, bs, kv, d]");
   TORCH_CHECK(q.size(1) % k_new.size(1) == 0, "decode_attention: heads % kv_heads != 0");
@@ -128,12 +181,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const at::Tensor qc = q.contiguous(), kn = k_new.contiguous(), vn = v_new.contiguous();
   const at::Tensor kp = k_pool.contiguous(), vp = v_pool.contiguous();
   const at::Tensor bt = block_tables.contiguous(), cl = context_lens.contiguous();
+  const float ks = scalar(k_scale, "k_scale"), vs = scalar(v_scale, "v_scale");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(qc, kn, vn, kp, vp, bt, cl, out);
+    attend_pools<c10::BFloat16>(qc, kn, vn, kp, vp, bt, cl, ks, vs, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: float32 or bfloat16");
-    attend<float>(qc, kn, vn, kp, vp, bt, cl, out);
+    attend_pools<float>(qc, kn, vn, kp, vp, bt, cl, ks, vs, out);
   }
   return out;
 }
@@ -143,7 +197,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
 TORCH_LIBRARY_FRAGMENT(vllm_aot, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor k_pool, Tensor v_pool, "
-      "Tensor block_tables, Tensor context_lens) -> Tensor");
+      "Tensor block_tables, Tensor context_lens, Tensor k_scale, Tensor v_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_aot, CPU, m) { m.impl("decode_attention", &decode_attention); }
@@ -152,7 +206,8 @@ TORCH_LIBRARY_IMPL(vllm_aot, CPU, m) { m.impl("decode_attention", &decode_attent
 TORCH_LIBRARY_IMPL(vllm_aot, Meta, m) {
   m.impl("decode_attention",
          [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const at::Tensor&) {
            return at::empty_symint({q.sym_size(0), q.sym_size(1) * q.sym_size(2)}, q.options());
          });
 }

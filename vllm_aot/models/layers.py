@@ -7,6 +7,12 @@ the same code runs eagerly and exports into an ahead-of-time compiled program. A
 cached keys and values from the paged pool but never writes it: the layer returns this step's new
 K/V and the caller writes them through the slot mapping, so a compiled program has no side
 effects to get wrong.
+
+FP8 KV cache: a pool of `torch.float8_e4m3fn` or `float8_e5m2` stores `value / scale`, saturated
+to the format's finite range (`quantize_kv`), with one float32 scale per layer for K and one for
+V (1.0, or the checkpoint's); attention reads it as `stored * scale` (`dequantize_kv`). The
+step's own new K/V are attended as computed, unquantised. Pools of the model's dtype (scales
+1.0) are read as they are: their path has no extra operation.
 """
 
 from __future__ import annotations
@@ -15,6 +21,33 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class PagedKV(NamedTuple):
+    """One layer's paged cache as attention reads it (layer programs take it as 4 inputs)."""
+
+    k: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim], the KV cache dtype
+    v: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    k_scale: torch.Tensor  # [] float32: a stored key is key / k_scale (fp8 pools only)
+    v_scale: torch.Tensor  # [] float32
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a pool of `dtype` stores it: fp8 pools x / scale saturated to the finite range."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pool elements as `dtype` values: fp8 ones times the scale (in float32), others as they
+    are (no copy)."""
+    if stored.dtype not in FP8_KV_DTYPES:
+        return stored
+    return (stored.float() * scale).to(dtype)
 
 
 class QKV(NamedTuple):
@@ -65,15 +98,14 @@ def decode_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    cache: PagedKV,
     block_tables: torch.Tensor,
     context_mask: torch.Tensor,
 ) -> torch.Tensor:
     """One query per row against that row's cached blocks plus its own new key.
 
     q: [rows, heads, head_dim]; k_new, v_new: [rows, kv_heads, head_dim];
-    pools: [num_blocks, block_size, kv_heads, head_dim]; block_tables: [rows, ctx_blocks];
+    cache: the layer's pools and scales; block_tables: [rows, ctx_blocks];
     context_mask: [rows, ctx_blocks * block_size] (True for cached positions < context length).
     Returns [rows, heads * head_dim] in q's dtype.
 
@@ -85,11 +117,13 @@ def decode_attention(
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
-    num_keys = block_tables.shape[1] * k_pool.shape[1]
+    num_keys = block_tables.shape[1] * cache.k.shape[1]
     scale = head_dim**-0.5
     qg = q.float().view(rows, 1, num_kv_heads, group, head_dim) * scale
-    k_ctx = k_pool[block_tables].view(rows, num_keys, num_kv_heads, 1, head_dim)
-    v_ctx = v_pool[block_tables].view(rows, num_keys, num_kv_heads, 1, head_dim)
+    k_ctx = dequantize_kv(cache.k[block_tables], cache.k_scale, torch.float32)
+    v_ctx = dequantize_kv(cache.v[block_tables], cache.v_scale, torch.float32)
+    k_ctx = k_ctx.view(rows, num_keys, num_kv_heads, 1, head_dim)
+    v_ctx = v_ctx.view(rows, num_keys, num_kv_heads, 1, head_dim)
     scores = (qg * k_ctx.float()).sum(-1)  # [rows, keys, kv, group]
     scores = scores.masked_fill(~context_mask[:, :, None, None], float("-inf"))
     own = (qg[:, 0] * k_new[:, :, None].float()).sum(-1)  # [rows, kv, group]
@@ -103,22 +137,24 @@ def prefill_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    cache: PagedKV,
     context_block_ids: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
     """Packed tokens of one or more sequences against cached blocks plus the new keys.
 
     q: [tokens, heads, head_dim]; k_new, v_new: [tokens, kv_heads, head_dim];
+    cache: the layer's pools and scales (read dequantised to q's dtype);
     context_block_ids: [ctx_blocks], the cached blocks of every sequence in the step, flattened;
     mask: [tokens, ctx_blocks * block_size + tokens], True where a key is visible to a token
     (same sequence, earlier or same position, not padding). Returns [tokens, heads * head_dim].
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
-    k_ctx = k_pool[context_block_ids].reshape(-1, num_kv_heads, head_dim)
-    v_ctx = v_pool[context_block_ids].reshape(-1, num_kv_heads, head_dim)
+    k_ctx = dequantize_kv(cache.k[context_block_ids], cache.k_scale, k_new.dtype)
+    v_ctx = dequantize_kv(cache.v[context_block_ids], cache.v_scale, v_new.dtype)
+    k_ctx = k_ctx.reshape(-1, num_kv_heads, head_dim)
+    v_ctx = v_ctx.reshape(-1, num_kv_heads, head_dim)
     k = torch.cat([k_ctx, k_new], dim=0).transpose(0, 1)[None]  # [1, kv, keys, d]
     v = torch.cat([v_ctx, v_new], dim=0).transpose(0, 1)[None]
     qg = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)

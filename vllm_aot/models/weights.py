@@ -50,6 +50,7 @@ class ModelWeights(NamedTuple):
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: StoredWeight  # [vocab, hidden]; the embedding itself when tied (same format)
+    kv_scales: tuple[tuple[float, float], ...] = ()  # per layer (k, v): `kv_scales`; () = 1.0
 
     def num_bytes(self) -> int:
         tensors = [*self.embed.tensors, self.final_norm, *self.lm_head.tensors]
@@ -91,6 +92,29 @@ def _load_vocab_rows(
     return StoredWeight(fmt, checkpoint.stored(rows, [f"{source}.weight"], rank))
 
 
+def kv_scales(
+    checkpoint: Checkpoint, layer_prefix: str, num_layers: int
+) -> tuple[tuple[float, float], ...]:
+    """Per layer (k_scale, v_scale) of an FP8 KV cache, from a vLLM-style checkpoint's scalar
+    `{layer prefix}self_attn.k_scale` / `.v_scale` tensors; () when it has none (scales 1.0).
+    Raises ValueError for a checkpoint with some of them, or a scale that is not positive."""
+    names = [
+        f"{layer_prefix.format(index=i)}self_attn.{kind}_scale"
+        for i in range(num_layers)
+        for kind in ("k", "v")
+    ]
+    present = [name for name in names if checkpoint.has(name)]
+    if not present:
+        return ()
+    if len(present) != len(names):
+        missing = sorted(set(names) - set(present))
+        raise ValueError(f"KV cache scales missing for some layers: {', '.join(missing[:4])}")
+    values = [float(checkpoint.dense(name).float().reshape(-1)[0]) for name in names]
+    if not all(v > 0 for v in values):
+        raise ValueError(f"KV cache scales must be positive, got {values}")
+    return tuple(zip(values[0::2], values[1::2], strict=True))
+
+
 def load_weights(
     model_dir: str | Path,
     arch: ModelArch,
@@ -104,8 +128,8 @@ def load_weights(
     reads (`checkpoints.open_checkpoint`: safetensors, or the directory's GGUF): fused (q|k|v,
     gate|up), sliced for `rank`, each linear (the embedding and head too) in its weight format
     (`formats(name)`; default: the dense format of `dtype`), the rest cast to `dtype`.
-    Raises KeyError on a missing tensor, ValueError when the checkpoint does not store a linear
-    in the format asked."""
+    `kv_scales` are the checkpoint's KV cache scales. Raises KeyError on a missing tensor,
+    ValueError when the checkpoint does not store a linear in the format asked."""
     family = family_of(arch)
     dense = dense_format(dtype).name
     format_of = formats or (lambda name: dense)
@@ -125,4 +149,5 @@ def load_weights(
         lm_head=embed
         if same
         else _load_vocab_rows(checkpoint, arch, head_source, format_of(LM_HEAD), rank),
+        kv_scales=kv_scales(checkpoint, family.layer_prefix, arch.num_layers),
     )

@@ -12,37 +12,67 @@ from collections.abc import Sequence
 import torch
 
 from vllm_aot.models.config import ModelArch
+from vllm_aot.models.layers import FP8_KV_DTYPES, PagedKV, dequantize_kv, quantize_kv
 
 DUMMY_BLOCK = 0
 
 
 class KVCache:
-    """K and V pools, one pair per layer: [num_blocks, block_size, kv_heads, head_dim]."""
+    """K and V pools, one pair per layer: [num_blocks, block_size, kv_heads, head_dim] of `dtype`
+    (the model's, or an fp8 type), with each layer's float32 scales (`models.layers`: an fp8
+    pool stores value / scale; `scales` [layer] = (k_scale, v_scale), default 1.0; pools of
+    other dtypes ignore them)."""
 
     def __init__(
-        self, arch: ModelArch, *, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        arch: ModelArch,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        scales: Sequence[tuple[float, float]] = (),
     ) -> None:
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zeroed: never-written slots must hold finite values, because masked attention
         # multiplies them by zero and NaN * 0 is NaN.
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_layers)]
+        is_fp8 = dtype in FP8_KV_DTYPES
+        if not is_fp8 or not scales:
+            scales = [(1.0, 1.0)] * arch.num_layers
+        assert len(scales) == arch.num_layers, f"{len(scales)} KV scales, {arch.num_layers} layers"
+        self.k_scale = [torch.tensor(k, dtype=torch.float32) for k, _ in scales]
+        self.v_scale = [torch.tensor(v, dtype=torch.float32) for _, v in scales]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
+
+    def layer(self, layer: int) -> PagedKV:
+        """What a layer program reads: the layer's pools and scales."""
+        return PagedKV(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> None:
         """Store this step's keys/values. slot_mapping: [tokens]; k_new, v_new: [tokens, kv, d]."""
-        self.k[layer].view(-1, *k_new.shape[1:]).index_copy_(0, slot_mapping, k_new)
-        self.v[layer].view(-1, *v_new.shape[1:]).index_copy_(0, slot_mapping, v_new)
+        if self.dtype in FP8_KV_DTYPES:
+            # aten has no index_copy_ for fp8: copy the bytes.
+            k_new = quantize_kv(k_new, self.k_scale[layer], self.dtype).view(torch.uint8)
+            v_new = quantize_kv(v_new, self.v_scale[layer], self.dtype).view(torch.uint8)
+            k_pool, v_pool = self.k[layer].view(torch.uint8), self.v[layer].view(torch.uint8)
+        else:
+            k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool.view(-1, *k_new.shape[1:]).index_copy_(0, slot_mapping, k_new)
+        v_pool.view(-1, *v_new.shape[1:]).index_copy_(0, slot_mapping, v_new)
 
     def gather(self, layer: int, block_table: Sequence[int], num_tokens: int):
-        """One sequence's K and V, [num_tokens, kv_heads, head_dim] each (for analysis/tests)."""
+        """One sequence's K and V, [num_tokens, kv_heads, head_dim] each (for analysis/tests);
+        an fp8 pool's dequantised to float32."""
         blocks = torch.as_tensor(list(block_table), dtype=torch.int64)
-        k = self.k[layer][blocks].flatten(0, 1)[:num_tokens]
-        v = self.v[layer][blocks].flatten(0, 1)[:num_tokens]
-        return k, v
+        cache = self.layer(layer)
+        k = dequantize_kv(cache.k[blocks], cache.k_scale, torch.float32)
+        v = dequantize_kv(cache.v[blocks], cache.v_scale, torch.float32)
+        return k.flatten(0, 1)[:num_tokens], v.flatten(0, 1)[:num_tokens]
 
 
 class BlockAllocator:

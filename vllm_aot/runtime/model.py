@@ -3,8 +3,9 @@
 A step is all-prefill or all-decode, never mixed. The caller (a driver of `runtime/policy.py`:
 the generate loop, teacher forcing, vLLM's scheduler through the plugin) decides what runs;
 `prepare_prefill`/`prepare_decode` choose its layer program and pad to it; this class runs that
-program (`inputs.key`) once per layer (writing each layer's new K/V through the slot mapping)
-and samples in the head program.
+program (`inputs.key`) once per layer (writing each layer's new K/V through the slot mapping,
+quantised with the layer's scales when the pool is fp8: `KVCache.write`) and samples in the head
+program.
 
 A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
@@ -79,7 +80,8 @@ class CompiledModel:
             arch,
             num_blocks=num_kv_blocks or config.total_kv_blocks,
             block_size=config.block_size,
-            dtype=config.torch_dtype,
+            dtype=config.kv_torch_dtype,
+            scales=weights.kv_scales,
         )
         self._layer_args = [flatten_weights(w) for w in weights.layers]
         self._inv_freq = arch.rope.inv_freq()
@@ -125,8 +127,8 @@ class CompiledModel:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
             cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
             for layer, weights in enumerate(self._layer_args):
-                kv = (self.kv.k[layer], self.kv.v[layer])
-                hidden, k_new, v_new = program(hidden, cos, sin, *kv, *context, *weights)
+                cache = self.kv.layer(layer)
+                hidden, k_new, v_new = program(hidden, cos, sin, *cache, *context, *weights)
                 if tap is not None:
                     hidden, k_new, v_new = self._tap_layer(
                         tap, layer, hidden, k_new, v_new, real_positions

@@ -21,7 +21,7 @@ from vllm_aot.kernels import attention_impl, cpu_features, decode_attention_fn, 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec
 from vllm_aot.models.formats import dense_format, weight_format
-from vllm_aot.models.layers import prefill_attention, rms_norm
+from vllm_aot.models.layers import PagedKV, prefill_attention, rms_norm
 from vllm_aot.models.linear import LM_HEAD
 from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import LayerWeights
@@ -84,9 +84,11 @@ class Layer(nn.Module):
     """One decoder layer, the family's maths; prefill and decode differ only in how attention
     reads the cache.
 
-    forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights) -> (hidden, k_new, v_new)
-    where (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and
-    (block_tables, context_mask) for decode, and `weights` follow `LayerSpec.tensor_names`.
+    forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights)
+    -> (hidden, k_new, v_new), where the pools are in the KV cache dtype and the scales float32
+    scalars (`models.layers.PagedKV`: inputs, since one program serves every layer),
+    (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and (block_tables,
+    context_mask) for decode, and `weights` follow `LayerSpec.tensor_names`.
     """
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool) -> None:
@@ -100,12 +102,13 @@ class Layer(nn.Module):
         self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
         self.attention = prefill_attention if is_prefill else decode_attention_fn(attention_impl())
 
-    def forward(self, hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights):
+    def forward(self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights):
         tensors = dict(zip(self.tensor_names, weights, strict=True))
         params = LayerParams(self.arch, self.spec, self.kernels, tensors)
+        cache = PagedKV(k_pool, v_pool, k_scale, v_scale)
 
         def attend(q, k, v):
-            return self.attention(q, k, v, k_pool, v_pool, ctx_a, ctx_b)
+            return self.attention(q, k, v, cache, ctx_a, ctx_b)
 
         return self.decoder_layer(
             hidden, rope=(cos, sin), attend=attend, params=params, observe=self.observe
@@ -179,8 +182,10 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
             torch.zeros(n, arch.hidden_size, dtype=dt),
             torch.ones(n, arch.head_dim, dtype=dt),
             torch.zeros(n, arch.head_dim, dtype=dt),
-            torch.zeros(pool, dtype=dt),
-            torch.zeros(pool, dtype=dt),
+            torch.zeros(pool, dtype=config.kv_torch_dtype),
+            torch.zeros(pool, dtype=config.kv_torch_dtype),
+            torch.ones((), dtype=torch.float32),
+            torch.ones((), dtype=torch.float32),
             *ctx,
             *flatten_weights(weights),
         )
@@ -205,6 +210,7 @@ def dynamic_shapes(key: ProgramKey, inputs: tuple):
     if not key.is_layer:
         return None
     num_blocks = torch.export.Dim("num_blocks", min=2, max=1 << 24)
-    # forward(hidden, cos, sin, k_pool, v_pool, ctx_a, ctx_b, *weights)
-    fixed = (None, None, None, {0: num_blocks}, {0: num_blocks}, None, None)
+    # forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights)
+    pools = ({0: num_blocks}, {0: num_blocks})
+    fixed = (None, None, None, *pools, None, None, None, None)
     return (*fixed, tuple(None for _ in inputs[len(fixed) :]))
