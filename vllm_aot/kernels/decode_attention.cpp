@@ -98,7 +98,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), qk(group * d), acc(d), scores(group * (max_keys + 1));
+    std::vector<float> qf(group * d), qk, acc(d), scores(group * (max_keys + 1));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = std::min(lens[r], max_keys);
@@ -114,6 +114,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
       // q . key == (q * k_scale) . stored key
       const float* q_cached = qf.data();
       if (k_scale != 1.f) {
+        qk.resize(group * d);
         for (int64_t i = 0; i < group * d; ++i) qk[i] = qf[i] * k_scale;
         q_cached = qk.data();
       }
