@@ -8,6 +8,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
+from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.platform import AotPlatform, _refuse_unsupported
 
 
@@ -15,7 +16,7 @@ def engine_config(model_dir, **flags):
     """The VllmConfig `vllm serve --model model_dir` builds with these flags (tiny shapes)."""
     shapes = dict(max_model_len=256, max_num_batched_tokens=64, block_size=16, dtype="float32")
     args = EngineArgs(
-        model=str(model_dir), additional_config={"backend": "eager"}, **(shapes | flags)
+        model=str(model_dir), **({"additional_config": {"backend": "eager"}} | shapes | flags)
     )
     return args.create_engine_config()
 
@@ -23,7 +24,12 @@ def engine_config(model_dir, **flags):
 @pytest.mark.parametrize(
     ("flags", "refusal"),
     [
-        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 (supported: auto"),
+        (
+            {"kv_cache_dtype": "int8_per_token_head"},
+            "--kv-cache-dtype int8_per_token_head (supported: auto, which is the model's dtype "
+            "float32; fp8, fp8_e4m3, fp8_e5m2)",
+        ),
+        ({"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype fp8_inc (supported: auto"),
         ({"enable_prompt_embeds": True}, "--enable-prompt-embeds (token prompts only)"),
         (
             {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
@@ -57,6 +63,26 @@ def test_the_model_dtype_as_kv_cache_dtype_is_accepted(tiny_model_dir):
     assert config.cache_config.cache_dtype == "bfloat16"
     with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16"):
         engine_config(tiny_model_dir, dtype="float32", kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("flag", "kv_cache_dtype"),
+    [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")],
+)
+def test_fp8_kv_cache_dtypes_reach_the_runtime_config(tiny_model_dir, flag, kv_cache_dtype):
+    config = engine_config(tiny_model_dir, kv_cache_dtype=flag)
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert runtime.kv_cache_dtype == kv_cache_dtype
+    assert runtime.kv_torch_dtype.itemsize == 1
+
+
+def test_a_kv_cache_dtype_in_additional_config_must_agree_with_the_flag(tiny_model_dir):
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e5m2 contradicts"):
+        engine_config(
+            tiny_model_dir,
+            kv_cache_dtype="fp8_e5m2",
+            additional_config={"backend": "eager", "kv_cache_dtype": "fp8"},
+        )
 
 
 @pytest.mark.parametrize("max_logprobs", [-1, 50, 20])
@@ -108,3 +134,24 @@ def test_gguf_quantization_reads_each_linears_format_from_the_file(default_model
     config = engine_config(default_model_dir, quantization="gguf", dtype="bfloat16")
     runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
     assert runtime.formats_summary() == "q4_1 (embed_tokens, lm_head: q8_0)"
+
+
+@pytest.mark.parametrize(("dtype", "factor"), [("bfloat16", 2), ("float32", 4)])
+def test_vllm_gives_an_fp8_kv_cache_more_blocks_for_the_same_bytes(tiny_model_dir, dtype, factor):
+    """vLLM sizes the pool from the worker's spec: one byte an element instead of two (four)."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    from vllm_aot.models.registry import load_arch
+    from vllm_aot.plugin.worker import AotWorker, kv_cache_spec
+
+    num_blocks = {}
+    for flag in ("auto", "fp8"):
+        config = engine_config(tiny_model_dir, dtype=dtype, kv_cache_dtype=flag)
+        runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+        spec = kv_cache_spec(load_arch(tiny_model_dir), runtime)
+        layouts = AotWorker.get_supported_kv_cache_layouts(None)
+        resolve_kv_cache_layout(config, [layouts], spec.values())  # as the engine core does
+        (kv_config,) = get_kv_cache_configs(config, [spec], [1 << 22])
+        num_blocks[flag] = kv_config.num_blocks
+    assert num_blocks["fp8"] == factor * num_blocks["auto"]

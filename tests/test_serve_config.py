@@ -165,12 +165,15 @@ def test_serve_picks_the_registry_configuration_that_matches_the_flags(tmp_path,
 
     settings = CacheSettings(root=tmp_path)
     arch = load_arch(tiny_model_dir)
-    for batch, length, dtype in (
-        (8, 1024, "bfloat16"),
-        (32, 512, "bfloat16"),
-        (64, 256, "float32"),
+    for batch, length, dtype, kv in (
+        (8, 1024, "bfloat16", "auto"),
+        (32, 512, "bfloat16", "auto"),
+        (64, 256, "float32", "auto"),
+        (16, 512, "bfloat16", "fp8"),
     ):
-        config = RuntimeConfig(max_num_seqs=batch, max_model_len=length, dtype=dtype)
+        config = RuntimeConfig(
+            max_num_seqs=batch, max_model_len=length, dtype=dtype, kv_cache_dtype=kv
+        )
         ProgramCache(settings).registry.record(CompiledConfiguration.build(arch, config, {}))
 
     def pick(flags=None, passthrough=()):
@@ -185,6 +188,16 @@ def test_serve_picks_the_registry_configuration_that_matches_the_flags(tmp_path,
     assert pick(passthrough=("--dtype", "float32"))[0].runtime["max_num_seqs"] == 64
     none, why = pick(ShapeFlags(batch_size=4))
     assert none is None and "defaults apply" in why
+    fp8, _ = pick(passthrough=("--kv-cache-dtype", "fp8"))  # only the same KV dtype matches
+    assert (fp8.runtime["max_num_seqs"], fp8.runtime["kv_cache_dtype"]) == (16, "fp8_e4m3")
+    assert pick(passthrough=("--kv-cache-dtype=fp8_e5m2",))[0] is None
+    assert pick(ShapeFlags(kv_cache_dtype="fp8"))[0] == fp8
+    for flags, passthrough in (
+        (ShapeFlags(kv_cache_dtype="fp8"), ()),
+        (ShapeFlags(), ("--kv-cache-dtype", "fp8")),
+    ):  # serve's own flag, or vLLM's passed through: every replica's vLLM gets it
+        chosen = choose_config(flags, passthrough=passthrough, registry_choice=fp8)
+        assert flag_value(chosen.vllm_args, "--kv-cache-dtype") == "fp8"
     chosen = choose_config(ShapeFlags(), registry_choice=best)
     assert chosen.vllm_args == ("--max-num-seqs", "32", "--max-model-len", "512", "--dtype",
                                 "bfloat16")  # fmt: skip

@@ -1,13 +1,14 @@
 """AotOptions: our settings for one vLLM engine, resolved once from vLLM's config.
 
 Sources, in order: an exported artifact directory given as the model (its manifest fixes every
-shape); vLLM's own flags where the user set them (--max-model-len, --max-num-seqs,
---max-num-batched-tokens, --block-size, --dtype, --quantization: each linear's weight format is
-resolved here, from the model's .gguf for gguf); `--additional-config` keys named like
-RuntimeConfig fields (`backend`, `decode_batch_buckets`, ...) plus the cache options
-(`cache_dir`, `remote_cache`, `cache_upload`, `require_cached`); otherwise our defaults. The
-platform resolves them in the front-end process and stores the result in
-`additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
+shape; a --kv-cache-dtype other than its own is refused); vLLM's own flags where the user set
+them (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --dtype,
+--kv-cache-dtype, --quantization: each linear's weight format is resolved here, from the model's
+.gguf for gguf); `--additional-config` keys named like RuntimeConfig fields (`backend`,
+`decode_batch_buckets`, ...) plus the cache options (`cache_dir`, `remote_cache`,
+`cache_upload`, `require_cached`); otherwise our defaults. The platform resolves them in the
+front-end process and stores the result in `additional_config["vllm_aot"]`, which vLLM hands to
+the engine and worker.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
 from vllm_aot.models.checkpoints import resolve_weight_formats
-from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.config import RuntimeConfig, kv_cache_dtype_name
 
 RESOLVED_KEY = "vllm_aot"
 OPTION_KEYS = ("cache_dir", "remote_cache", "cache_upload", "require_cached", "stats_file")
@@ -27,6 +28,8 @@ OPTION_KEYS = ("cache_dir", "remote_cache", "cache_upload", "require_cached", "s
 _VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256)
 _VLLM_DEFAULT_MAX_BATCHED_TOKENS = (2048, 4096)
 DEFAULT_MAX_MODEL_LEN = 2048
+# vLLM's --kv-cache-dtype values we run besides "auto" and the model's dtype ("fp8" = "fp8_e4m3").
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,10 @@ def resolve_options(
     block_size: int,
     is_block_size_set: bool,
     extra: dict[str, Any],
+    kv_cache_dtype: str = "auto",
 ) -> AotOptions:
-    """Decide the compiled shapes for an engine (see the module docstring for precedence)."""
+    """Decide the compiled shapes for an engine (see the module docstring for precedence).
+    `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one."""
     extra = {k: v for k, v in (extra or {}).items() if k != RESOLVED_KEY}
     known = set(RuntimeConfig.__dataclass_fields__) | set(OPTION_KEYS)
     unknown = sorted(set(extra) - known)
@@ -92,8 +97,14 @@ def resolve_options(
             f"known: {', '.join(sorted(known))}"
         )
     options = {k: extra.pop(k) for k in OPTION_KEYS if k in extra}
+    kv = None if kv_cache_dtype in ("auto", str(dtype).removeprefix("torch.")) else kv_cache_dtype
     if is_artifact_dir(model):
         runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
+        if kv is not None and kv_cache_dtype_name(kv) != runtime.kv_cache_dtype:
+            raise ValueError(
+                f"{model} is an exported directory compiled for kv_cache_dtype "
+                f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
+            )
         if extra:
             raise ValueError(
                 f"{model} is an exported directory whose shapes are fixed; "
@@ -115,6 +126,13 @@ def resolve_options(
     if is_block_size_set:
         fields["block_size"] = block_size
     fields.update(extra)
+    if kv is not None:
+        given = fields.setdefault("kv_cache_dtype", kv)
+        if kv_cache_dtype_name(given) != kv_cache_dtype_name(kv):
+            raise ValueError(
+                f"--kv-cache-dtype {kv} contradicts --additional-config kv_cache_dtype {given!r}; "
+                "give one"
+            )
     for name, value in fields.items():
         if name.endswith("_buckets"):
             fields[name] = tuple(value)

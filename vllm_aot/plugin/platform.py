@@ -20,7 +20,7 @@ from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import supported_architectures
 from vllm_aot.plugin.metrics import register_collector
-from vllm_aot.plugin.options import RESOLVED_KEY, resolve_options
+from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
 from vllm_aot.runtime.config import QUANTIZATIONS
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
@@ -56,10 +56,11 @@ def _refuse_unsupported(vllm_config) -> None:
     if model_config.enable_prompt_embeds:
         problems.append("--enable-prompt-embeds (token prompts only)")
     dtype = str(model_config.dtype).removeprefix("torch.")
-    if vllm_config.cache_config.cache_dtype not in ("auto", dtype):
+    if vllm_config.cache_config.cache_dtype not in ("auto", dtype, *FP8_KV_CACHE_DTYPES):
         problems.append(
             f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} "
-            f"(supported: auto, which is the model's dtype {dtype})"
+            f"(supported: auto, which is the model's dtype {dtype}; "
+            f"{', '.join(FP8_KV_CACHE_DTYPES)})"
         )
     if model_config.logprobs_mode != "raw_logprobs":
         problems.append(f"--logprobs-mode {model_config.logprobs_mode} (supported: raw_logprobs)")
@@ -138,6 +139,7 @@ class AotPlatform(CpuPlatform):
             block_size=cache_config.block_size,
             is_block_size_set=cache_config.user_specified_block_size,
             extra=extra,
+            kv_cache_dtype=cache_config.cache_dtype,
         )
         runtime = options.runtime
         if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:
@@ -170,11 +172,13 @@ class AotPlatform(CpuPlatform):
         extra[RESOLVED_KEY] = options.to_dict()
         vllm_config.additional_config = extra
         logger.info(
-            "vllm-aot: %s backend, %s, weights %s, max_num_seqs=%d, max_model_len=%d, "
-            "block_size=%d, prefill chunks %s, decode batches %s, decode contexts %s%s",
+            "vllm-aot: %s backend, %s, weights %s, KV cache %s, max_num_seqs=%d, "
+            "max_model_len=%d, block_size=%d, prefill chunks %s, decode batches %s, "
+            "decode contexts %s%s",
             runtime.backend,
             runtime.dtype,
             runtime.formats_summary(),
+            runtime.kv_torch_dtype,
             runtime.max_num_seqs,
             runtime.max_model_len,
             runtime.block_size,

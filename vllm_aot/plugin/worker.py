@@ -25,10 +25,12 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.loading.programs import ProgramOptions
 from vllm_aot.loading.startup import start
+from vllm_aot.models.config import ModelArch
 from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
+from vllm_aot.runtime.config import RuntimeConfig
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -46,6 +48,19 @@ def _log_program(name: str, source: str, seconds: float) -> None:
 
 def _log_progress(line: str) -> None:
     logger.info("vllm-aot: %s", line)
+
+
+def kv_cache_spec(arch: ModelArch, runtime: RuntimeConfig) -> dict[str, FullAttentionSpec]:
+    """Every layer's pool geometry, by which vLLM sizes a block's page and so the number of
+    blocks a KV budget holds: an fp8 KV cache dtype halves a bfloat16 page (quarters a float32
+    one), so the same budget holds twice (four times) the blocks."""
+    spec = FullAttentionSpec(
+        block_size=runtime.block_size,
+        num_kv_heads=arch.num_kv_heads,
+        head_size=arch.head_dim,
+        dtype=runtime.kv_torch_dtype,
+    )
+    return {f"model.layers.{i}.self_attn": spec for i in range(arch.num_layers)}
 
 
 class AotWorker(WorkerBase):
@@ -77,14 +92,7 @@ class AotWorker(WorkerBase):
             )
 
     def get_kv_cache_spec(self) -> dict:
-        runtime = self.options.runtime
-        spec = FullAttentionSpec(
-            block_size=runtime.block_size,
-            num_kv_heads=self.arch.num_kv_heads,
-            head_size=self.arch.head_dim,
-            dtype=runtime.torch_dtype,
-        )
-        return {f"model.layers.{i}.self_attn": spec for i in range(self.arch.num_layers)}
+        return kv_cache_spec(self.arch, self.options.runtime)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # ours: [layer][block][position][head][dim]
@@ -102,7 +110,7 @@ class AotWorker(WorkerBase):
         budget = max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
         runtime = self.options.runtime
         bytes_per_token = (
-            2 * self.arch.num_layers * self.arch.kv_size * runtime.torch_dtype.itemsize
+            2 * self.arch.num_layers * self.arch.kv_size * runtime.kv_torch_dtype.itemsize
         )
         useful = 2 * runtime.max_num_seqs * runtime.max_model_len * bytes_per_token
         return min(budget, useful)
@@ -112,7 +120,11 @@ class AotWorker(WorkerBase):
         self.runner = AotModelRunner(self.model)
         if self.stats_file is not None:
             self.stats_file.follow(functools.partial(model_stats, self.model))
-        logger.info("vllm-aot: KV pool of %d blocks", kv_cache_config.num_blocks)
+        logger.info(
+            "vllm-aot: KV pool of %d blocks of %s",
+            kv_cache_config.num_blocks,
+            self.options.runtime.kv_torch_dtype,
+        )
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(

@@ -106,13 +106,7 @@ class RuntimeConfig:
                 f"quantization {self.quantization!r} is not supported; supported: "
                 f"{', '.join(QUANTIZATIONS)} (or none)"
             )
-        kv = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if kv not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
-                f"{', '.join([*KV_CACHE_DTYPES, *KV_CACHE_ALIASES])}"
-            )
-        object.__setattr__(self, "kv_cache_dtype", kv)
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
         formats = tuple(tuple(pair) for pair in self.weight_formats)
         if self.quantization == "int8" and not formats:
             formats = ((ALL_LINEARS, "int8"),)
@@ -195,6 +189,18 @@ class RuntimeConfig:
                 known[name] = tuple(value)
         known["weight_formats"] = tuple(tuple(p) for p in known.get("weight_formats", ()))
         return cls(**known)
+
+
+def kv_cache_dtype_name(name: str) -> str:
+    """A KV cache dtype as `RuntimeConfig.kv_cache_dtype` holds it (aliases resolved); ValueError
+    naming the supported ones."""
+    kv = KV_CACHE_ALIASES.get(name, name)
+    if kv not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is not supported; supported: "
+            f"{', '.join([*KV_CACHE_DTYPES, *KV_CACHE_ALIASES])}"
+        )
+    return kv
 
 
 def _by_fours(lo: int, hi: int) -> tuple[int, ...]:
