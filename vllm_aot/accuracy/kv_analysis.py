@@ -2,12 +2,13 @@
 
 The sequence is teacher-forced through our serving path (chunk by chunk, so later chunks read
 earlier ones from the pool); then each layer's K and V are gathered through its block table
-(`KVCache.gather`) and compared with HF's `past_key_values` for the same tokens, in the same
-dtype. Both are post-rotary: HF rotates before it updates its cache, our layer program returns
-rotated keys and `CompiledModel` writes those. Per layer: relative L-inf (max|ours - ref| /
-max|ref|) and relative L2 (||ours - ref|| / ||ref||) of K and of V; per block: its L-inf error over
-the layer's max|ref|, so a block written by the wrong tokens (padding leaking into a live block,
-a wrong slot mapping) is named by its id.
+(`KVCache.gather`: an FP8 pool read dequantised, stored value times the layer's scale) and
+compared with HF's `past_key_values` for the same tokens, in the same dtype. Both are
+post-rotary: HF rotates before it updates its cache, our layer program returns rotated keys and
+`CompiledModel` writes those. Per layer: relative L-inf (max|ours - ref| / max|ref|) and relative
+L2 (||ours - ref|| / ||ref||) of K and of V; per block: its L-inf error over the layer's max|ref|,
+so a block written by the wrong tokens (padding leaking into a live block, a wrong slot mapping)
+is named by its id; with an FP8 cache the per-layer errors are what its rounding costs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from vllm_aot.runtime.model import CompiledModel
 
 DEFAULT_KV_RTOL = {"float32": 1e-3}
 REDUCED_PRECISION_KV_RTOL = 5e-2
+# An FP8 pool rounds each element to 3 (e4m3) or 2 (e5m2) mantissa bits: a relative error of up
+# to 2^-4 or 2^-3 of the element, so of the layer's max|K| or max|V| (plus the dtype's own error).
+FP8_KV_RTOL = {"fp8_e4m3": 0.1, "fp8_e5m2": 0.2}
 
 
 @dataclass(frozen=True)
@@ -135,11 +139,14 @@ def analyse_kv(
 ) -> KVReport:
     """Feed `token_ids` through `model`, rebuild its K/V from the pool, compare with HF's cache.
 
-    HF runs in our model's dtype. Default tolerance: 1e-3 in float32, 5e-2 below it.
+    HF runs in our model's dtype. Default tolerance: 1e-3 in float32, 5e-2 below it; with an
+    FP8 KV cache 0.1 (e4m3) or 0.2 (e5m2).
     """
     config = model.config
     if tolerance is None:
-        tolerance = DEFAULT_KV_RTOL.get(config.dtype, REDUCED_PRECISION_KV_RTOL)
+        tolerance = FP8_KV_RTOL.get(
+            config.kv_cache_dtype, DEFAULT_KV_RTOL.get(config.dtype, REDUCED_PRECISION_KV_RTOL)
+        )
     num_tokens = len(token_ids)
     with sequence_blocks(model, num_tokens) as block_table:
         feed_sequence(model, token_ids, block_table)

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from vllm_aot.accuracy.comparison import (
-    DEFAULT_TOLERANCES,
     LogitComparison,
     Tolerance,
     compare_logits,
+    default_tolerances,
     ordered_slices,
     slice_label,
     slice_passes,
@@ -148,7 +148,7 @@ def validate(
     *,
     prompt_lengths: Sequence[int] | None,
     three_way: bool,
-    tolerances: Mapping[int | None, Tolerance] = DEFAULT_TOLERANCES,
+    tolerances: Mapping[int | None, Tolerance] | None = None,
     reference: HFReference | None = None,
 ) -> ValidationReport:
     """Teacher-forced logits of `model` against HF on every sequence, aggregated per slice.
@@ -159,12 +159,15 @@ def validate(
     decode programs unchecked. Two-way: the reference is HF in our model's dtype and a slice
     passes only if it is within tolerance at every position. Three-way: the reference is HF in
     fp32 and HF in our dtype is the expected deviation (rule in the module docstring).
+    `tolerances` default to `default_tolerances` of the model's KV cache dtype.
     `reference` reuses already loaded HF models of `model_dir`. `passed` is True only if every
     slice passes.
     """
     if not sequences:
         raise ValueError("no prompts to validate")
     reference = _reference_for(model_dir, reference)
+    if tolerances is None:
+        tolerances = default_tolerances(model.config.kv_cache_dtype)
     if prompt_lengths is None:
         prompt_lengths = [len(token_ids) for token_ids in sequences]
     ours = teacher_forced_logits(model, sequences, prompt_lengths)

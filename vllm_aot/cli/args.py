@@ -50,7 +50,10 @@ def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     g.add_argument(
-        "--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES]
+        "--kv-cache-dtype",
+        default="auto",
+        choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES],
+        help="KV cache elements (auto: --dtype; fp8 is fp8_e4m3)",
     )
     g.add_argument("--backend", default=backend, choices=["inductor", "eager"])
     g.add_argument("--decode-batch-buckets", type=int_list, default=())
