@@ -46,10 +46,13 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        # Built once: the pools are written in place, never replaced.
+        pairs = zip(self.k, self.v, self.k_scale, self.v_scale, strict=True)
+        self._layers = [PagedKV(*layer) for layer in pairs]
 
     def layer(self, layer: int) -> PagedKV:
         """What a layer program reads: the layer's pools and scales."""
-        return PagedKV(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
+        return self._layers[layer]
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
