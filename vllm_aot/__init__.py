@@ -12,10 +12,3 @@ def register() -> str:
     """
     return "vllm_aot.plugin.platform.AotPlatform"
 
-
-def register_quantization() -> None:
-    """The `vllm.general_plugins` entry point: `--quantization gguf|int8` become names vLLM
-    accepts (in every vLLM process, before it validates the flag)."""
-    from vllm_aot.plugin.quantization import register
-
-    register()

@@ -2,10 +2,11 @@
 
 vLLM validates `--quantization` against its registry of quantization configs before our platform
 sees the configuration; this wheel has no GGUF method and no plain weight-only int8 one (its
-`int8_per_channel_weight_only` is for MoE experts). `register()`, run by vLLM's general-plugin
-hook in every process, registers one config class per name. vLLM only checks the name, the
-activation dtypes and that no config file is needed; our worker loads the weights itself
-(`models/weights.py`), so the classes quantise nothing and are never asked for a layer method.
+`int8_per_channel_weight_only` is for MoE experts). `register()`, the `vllm.general_plugins`
+entry point vLLM runs in every process, registers one config class per name. vLLM only checks
+the name, the activation dtypes and that no config file is needed; our worker loads the weights
+itself (`models/weights.py`), so the classes quantise nothing and are never asked for a layer
+method.
 """
 
 from __future__ import annotations
