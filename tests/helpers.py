@@ -7,8 +7,6 @@ import subprocess
 import sys
 import urllib.request
 
-import torch
-
 from vllm_aot.runtime.config import RuntimeConfig
 
 
@@ -87,10 +85,3 @@ def metrics_after_one_completion(url: str) -> str:
     return metrics
 
 
-def int8_activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """How far our quantised-weight kernels' outputs [m, out] may be from x [m, in] @ weight.T in
-    float32: each activation, rounded within its int8 block of 32 (scale: the block's largest
-    |x| / 127), moves by at most half that scale (tests/test_quant_kernels.py: the reasons)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
-    scale = (blocks.abs().amax(-1, keepdim=True) / 127).expand_as(blocks).reshape(x.shape)
-    return (scale / 2) @ weight.abs().T + 1e-5 * (x.float().abs() @ weight.abs().T)

@@ -1,7 +1,7 @@
 // y = x @ W.T for an int8 weight: qweight int8 [n, k], scale float32 [n]; w = q * scale (per
 // output channel, symmetric). The paths by rows are `quant.h`'s, the codes handled as q8_0's
-// (`linear_q8_0.cpp`) without block scales, the row's scale applied once to its sum. Rows whose
-// k is not a multiple of 32 take the dequantising path whatever m.
+// (`linear_q8_0.cpp`) with the row's scale for every block; a row whose k is not a multiple of
+// 32 ends in a part block, multiplied element by element.
 #include <torch/library.h>
 
 #include "quant.h"
@@ -13,36 +13,22 @@ namespace {
 using namespace vllm_aot::quant;
 
 struct Int8 {
-  static constexpr bool kSigned = true, kHasScale = false, kHasMin = false, kRowScale = true;
-  static constexpr int64_t kGroupBytes = 128;  // codes of four blocks
-
-  template <bool kTail>
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
-                                                          int64_t pair) {
-    avx2::W256 v;
-    avx2::signed_codes<kTail>(w.q + row * w.q_stride + 64 * pair, v);
-    return v;
-  }
-
-  template <bool kTail>
-  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
-                                                              int64_t group, int blocks) {
-    avx512::W512 v;
-    avx512::signed_codes<kTail>(w.q + row * w.q_stride + 128 * group, blocks, v);
-    return v;
-  }
+  static constexpr bool kSigned = true, kRowScale = true;
+  static constexpr bool kNibbles = false, kBlockScale = false, kHasMin = false;
+  static constexpr int kOffset = 0;  // subtracted from the codes
 
   VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
   }
 
-  static void affine(const Weights& w, int64_t row, int64_t, float& d, float& m) {
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t,
+                                                    float& d, float& m) {
     d = w.row_scale[row];
     m = 0.f;
   }
 };
 
-const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>}, {0, 128},
+const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>},
                    avx2::dequantize<Int8>, avx512::dequantize_bf16<Int8>};
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {

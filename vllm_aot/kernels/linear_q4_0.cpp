@@ -1,7 +1,6 @@
 // y = x @ W.T for a GGUF Q4_0 weight: qweight uint8 [n, k / 2] (16 bytes per block of 32 inputs:
 // input j in the low nibble of byte j, input j + 16 in its high nibble), scale float16
-// [n, k / 32]; w = (q - 8) * d. The paths by rows are `quant.h`'s; the integer dots run on the
-// unsigned codes q and start at -8 * (the activations' sum) (offset 8).
+// [n, k / 32]; w = (q - 8) * d. The paths by rows are `quant.h`'s.
 #include <torch/library.h>
 
 #include "quant.h"
@@ -13,39 +12,23 @@ namespace {
 using namespace vllm_aot::quant;
 
 struct Q4_0 {
-  static constexpr bool kSigned = false, kHasScale = true, kHasMin = false, kRowScale = false;
-  static constexpr int64_t kGroupBytes = 64;  // codes of four blocks
-
-  template <bool kTail>
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
-                                                          int64_t pair) {
-    avx2::W256 v;
-    avx2::nibbles<kTail>(w.q + row * w.q_stride + 32 * pair, v);
-    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
-    return v;
-  }
-
-  template <bool kTail>
-  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
-                                                              int64_t group, int blocks) {
-    avx512::W512 v;
-    avx512::nibbles<kTail>(w.q + row * w.q_stride + 64 * group, blocks, v);
-    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);
-    return v;
-  }
+  static constexpr bool kSigned = false, kRowScale = false;
+  static constexpr bool kNibbles = true, kBlockScale = true, kHasMin = false;
+  static constexpr int kOffset = 8;  // subtracted from the codes
 
   VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
     return avx2::nibble_codes(w.q + row * w.q_stride + 16 * b);
   }
 
   // (q - 8) * d as q * d - 8 * d: one rounding of the same exact value.
-  static void affine(const Weights& w, int64_t row, int64_t b, float& d, float& m) {
-    d = static_cast<float>(w.scale[row * w.blocks + b]);
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t b,
+                                                    float& d, float& m) {
+    d = widen(w.scale + row * w.blocks + b);
     m = -8.f * d;
   }
 };
 
-const Format kQ4_0{{avx2::multiply<Q4_0>, avx512::multiply<Q4_0>}, {8, 8},
+const Format kQ4_0{{avx2::multiply<Q4_0>, avx512::multiply<Q4_0>},
                    avx2::dequantize<Q4_0>, avx512::dequantize_bf16<Q4_0>};
 
 at::Tensor linear_q4_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {

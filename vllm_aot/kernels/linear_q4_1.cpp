@@ -1,7 +1,6 @@
 // y = x @ W.T for a GGUF Q4_1 weight: qweight uint8 [n, k / 2] (16 bytes per block of 32 inputs:
 // input j in the low nibble of byte j, input j + 16 in its high nibble), scale and min float16
-// [n, k / 32]; w = q * d + m. The paths by rows are `quant.h`'s; the min term of a block is
-// m * (the activations' sum), which the quantised activations carry (`ActGroup::sums`).
+// [n, k / 32]; w = q * d + m. The paths by rows are `quant.h`'s.
 #include <torch/library.h>
 
 #include "quant.h"
@@ -13,38 +12,22 @@ namespace {
 using namespace vllm_aot::quant;
 
 struct Q4_1 {
-  static constexpr bool kSigned = false, kHasScale = true, kHasMin = true, kRowScale = false;
-  static constexpr int64_t kGroupBytes = 64;  // codes of four blocks
-
-  template <bool kTail>
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
-                                                          int64_t pair) {
-    avx2::W256 v;
-    avx2::nibbles<kTail>(w.q + row * w.q_stride + 32 * pair, v);
-    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
-    return v;
-  }
-
-  template <bool kTail>
-  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
-                                                              int64_t group, int blocks) {
-    avx512::W512 v;
-    avx512::nibbles<kTail>(w.q + row * w.q_stride + 64 * group, blocks, v);
-    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);
-    return v;
-  }
+  static constexpr bool kSigned = false, kRowScale = false;
+  static constexpr bool kNibbles = true, kBlockScale = true, kHasMin = true;
+  static constexpr int kOffset = 0;  // subtracted from the codes
 
   VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
     return avx2::nibble_codes(w.q + row * w.q_stride + 16 * b);
   }
 
-  static void affine(const Weights& w, int64_t row, int64_t b, float& d, float& m) {
-    d = static_cast<float>(w.scale[row * w.blocks + b]);
-    m = static_cast<float>(w.min[row * w.blocks + b]);
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t b,
+                                                    float& d, float& m) {
+    d = widen(w.scale + row * w.blocks + b);
+    m = widen(w.min + row * w.blocks + b);
   }
 };
 
-const Format kQ4_1{{avx2::multiply<Q4_1>, avx512::multiply<Q4_1>}, {0, 0},
+const Format kQ4_1{{avx2::multiply<Q4_1>, avx512::multiply<Q4_1>},
                    avx2::dequantize<Q4_1>, avx512::dequantize_bf16<Q4_1>};
 
 at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,

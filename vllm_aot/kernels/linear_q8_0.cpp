@@ -1,7 +1,5 @@
 // y = x @ W.T for a GGUF Q8_0 weight: qweight int8 [n, k], scale float16 [n, k / 32]; w = q * d.
-// The paths by rows are `quant.h`'s. VNNI multiplies unsigned by signed bytes, so there the codes
-// are offset by 128 (and each block's dot starts at -128 * the activations' sum); AVX2 multiplies
-// the codes' magnitudes by the activations given the codes' signs.
+// The paths by rows are `quant.h`'s.
 #include <torch/library.h>
 
 #include "quant.h"
@@ -13,38 +11,22 @@ namespace {
 using namespace vllm_aot::quant;
 
 struct Q8_0 {
-  static constexpr bool kSigned = true, kHasScale = true, kHasMin = false, kRowScale = false;
-  static constexpr int64_t kGroupBytes = 128;  // codes of four blocks
-
-  template <bool kTail>
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static avx2::W256 load256(const Weights& w, int64_t row,
-                                                          int64_t pair) {
-    avx2::W256 v;
-    avx2::signed_codes<kTail>(w.q + row * w.q_stride + 64 * pair, v);
-    v.scale = avx2::spread<kTail>(w.scale + row * w.blocks + 2 * pair);
-    return v;
-  }
-
-  template <bool kTail>
-  VLLM_AOT_AVX512 VLLM_AOT_INLINE static avx512::W512 load512(const Weights& w, int64_t row,
-                                                              int64_t group, int blocks) {
-    avx512::W512 v;
-    avx512::signed_codes<kTail>(w.q + row * w.q_stride + 128 * group, blocks, v);
-    v.scale = avx512::spread<kTail>(w.scale + row * w.blocks + kGroupBlocks * group, blocks);
-    return v;
-  }
+  static constexpr bool kSigned = true, kRowScale = false;
+  static constexpr bool kNibbles = false, kBlockScale = true, kHasMin = false;
+  static constexpr int kOffset = 0;  // subtracted from the codes
 
   VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
   }
 
-  static void affine(const Weights& w, int64_t row, int64_t b, float& d, float& m) {
-    d = static_cast<float>(w.scale[row * w.blocks + b]);
+  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t b,
+                                                    float& d, float& m) {
+    d = widen(w.scale + row * w.blocks + b);
     m = 0.f;
   }
 };
 
-const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>}, {0, 128},
+const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>},
                    avx2::dequantize<Q8_0>, avx512::dequantize_bf16<Q8_0>};
 
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {

@@ -1,5 +1,5 @@
-// The quantised linears' shared driver (`quant.h`): instruction-set choice, activation
-// quantisation, the dequantise-and-GEMM path for many rows, and the `quant_isa` op.
+// The quantised linears' shared driver (`quant.h`): instruction-set choice, the path by rows (the
+// dequantise-and-GEMM one for many rows) and the `quant_isa` op.
 #include "quant.h"
 
 #include <ATen/Parallel.h>
@@ -11,22 +11,19 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
-#include "avx2.h"
 
 namespace vllm_aot::quant {
 namespace {
 
 constexpr int64_t kChunkBytes = 4 << 20;  // dequantised weight rows per GEMM call
 
-bool has_avx512_vnni() {
+bool has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
 Isa choose_isa() {
@@ -34,83 +31,14 @@ Isa choose_isa() {
   const std::string value = forced ? forced : "";
   TORCH_CHECK(value.empty() || value == "auto" || value == "avx2", "VLLM_AOT_KERNEL_ISA=", value,
               " is not supported; supported: auto (the default), avx2");
-  return value != "avx2" && has_avx512_vnni() ? Isa::kAvx512Vnni : Isa::kAvx2;
-}
-
-VLLM_AOT_AVX2 inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-VLLM_AOT_AVX2 inline int32_t sum8_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
-// One row of k = 32 * blocks activations into its groups and block sums (zeros past the last).
-template <class T>
-VLLM_AOT_AVX2 void quantize_row(const T* x, int64_t blocks, int32_t offset, ActGroup* groups,
-                                float* sums) {
-  std::memset(groups, 0, sizeof(ActGroup) * ((blocks + kGroupBlocks - 1) / kGroupBlocks));
-  std::memset(sums, 0, sizeof(float) * ((blocks + kSumsAlign - 1) / kSumsAlign * kSumsAlign));
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = load8(x + blk * kBlock + 8 * i);
-    const __m256 amax = _mm256_max_ps(
-        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    const float d = max8(amax) / 127.f;
-    const __m256 inverse = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-    const int32_t sum = sum8_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-    // packs work within 128-bit lanes; the permutation puts the 32 bytes back in input order.
-    const __m256i bytes = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-        _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
-    ActGroup& g = groups[blk / kGroupBlocks];
-    const int j = static_cast<int>(blk % kGroupBlocks);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(g.q + 16 * j), _mm256_castsi256_si128(bytes));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(g.q + 64 + 16 * j),
-                     _mm256_extracti128_si256(bytes, 1));
-    g.init[4 * j] = -offset * sum;
-    for (int i = 0; i < 4; ++i) g.scale[4 * j + i] = d;
-    sums[blk] = d * static_cast<float>(sum);
-  }
-}
-
-// x [m, k] (k a multiple of 32) quantised into `buffer` (a byte tensor it allocates).
-Acts quantize_activations(const at::Tensor& x, int32_t offset, at::Tensor& buffer) {
-  const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
-  const int64_t num_groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
-  const int64_t stride = (blocks + kSumsAlign - 1) / kSumsAlign * kSumsAlign;
-  const int64_t group_bytes = m * num_groups * static_cast<int64_t>(sizeof(ActGroup));
-  buffer = at::empty({group_bytes + m * stride * 4}, x.options().dtype(at::kByte));
-  auto* groups = reinterpret_cast<ActGroup*>(buffer.data_ptr<uint8_t>());
-  auto* sums = reinterpret_cast<float*>(buffer.data_ptr<uint8_t>() + group_bytes);
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      ActGroup* row_groups = groups + r * num_groups;
-      if (x.scalar_type() == at::kFloat) {
-        quantize_row(x.data_ptr<float>() + r * k, blocks, offset, row_groups, sums + r * stride);
-      } else {
-        quantize_row(x.data_ptr<c10::BFloat16>() + r * k, blocks, offset, row_groups,
-                     sums + r * stride);
-      }
-    }
-  });
-  return Acts{groups, sums, num_groups, stride};
+  return value != "avx2" && has_avx512() ? Isa::kAvx512 : Isa::kAvx2;
 }
 
 // Many rows: chunks of weight rows dequantised (in parallel) into a buffer and multiplied by
 // aten's GEMM (in parallel) into out's columns. Chunks are large: each GEMM call costs ~15 us.
 void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& format, Isa chosen,
                         at::Tensor& out) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen == Isa::kAvx512Vnni &&
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen == Isa::kAvx512 &&
                     __builtin_cpu_supports("avx512bf16");
   const at::Tensor xc = x.to(bf16 ? at::kBFloat16 : at::kFloat);
   at::Tensor result =
@@ -134,7 +62,7 @@ void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& for
   if (!result.is_same(out)) out.copy_(result);
 }
 
-std::string quant_isa() { return isa() == Isa::kAvx512Vnni ? "avx512_vnni" : "avx2"; }
+std::string quant_isa() { return isa() == Isa::kAvx512 ? "avx512" : "avx2"; }
 
 }  // namespace
 
@@ -156,13 +84,12 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format) {
   if (m == 0 || w.n == 0) return out;
   at::Tensor out2 = out.view({m, w.n});
   const Isa chosen = isa();
-  if (m > kMaxIntegerRows || w.k % kBlock != 0) {
+  if (m > kMaxDirectRows) {
     dequantized_linear(x2, w, format, chosen, out2);
     return out;
   }
-  at::Tensor buffer;
-  const Acts acts = quantize_activations(x2, format.offset[static_cast<int>(chosen)], buffer);
-  format.multiply[static_cast<int>(chosen)](w, acts, m, out2);
+  const at::Tensor xf = x2.to(at::kFloat).contiguous();
+  format.multiply[static_cast<int>(chosen)](w, xf.data_ptr<float>(), m, out2);
   return out;
 }
 
@@ -184,5 +111,5 @@ at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_
 
 }  // namespace vllm_aot::quant
 
-// Which path the quantised linears take on this CPU: "avx512_vnni" or "avx2".
+// Which path the quantised linears take on this CPU: "avx512" or "avx2".
 TORCH_LIBRARY_FRAGMENT(vllm_aot, m) { m.def("quant_isa() -> str", &vllm_aot::quant::quant_isa); }

@@ -1,17 +1,11 @@
-// The quantised linears' integer kernel on AVX-512 VNNI: one `vpdpbusd` multiplies 64 unsigned
-// weight codes by 64 signed activations and adds each four products into an int32 lane. A step
-// covers one `ActGroup` (four blocks): two `vpdpbusd` (inputs 0-15, then 16-31 of each block),
-// then each block's lanes scaled and added into float32 accumulators.
-//
-// A format F provides `W512 F::load512<kTail>(w, row, group, blocks)`: one row's group of codes as
-// unsigned bytes in the activations' order and its block scales spread over each block's four
-// lanes (`kHasScale`); kTail loads only the first `blocks` blocks (masked: nothing past the row
-// is read). Block minimums (`kHasMin`) are a float dot with the activations' block sums.
-//
-// A few activation rows (m <= kBlockActs: decode at small batch) take the weights straight from
-// memory; more rows unpack each weight-row tile once into a buffer that every block of
-// activation rows then reads. Either way each (activation row, weight row) pair runs the same
-// operations in the same order, so a row's result does not depend on the others.
+// The quantised linears on AVX-512 (float32 arithmetic, `quant.h`): tiles of four weight rows in
+// parallel, up to four activation rows a register block (32 registers). Each block of 32 weights
+// is widened from its codes (`block_codes`: the format's traits kNibbles, kSigned, kOffset) and
+// t = codes . x is scaled by the block's scale (kBlockScale) into the accumulators; q4_1's
+// minimums (kHasMin) are one dot with the activations' block sums; int8's row scale (kRowScale)
+// multiplies the row's sum. The codes stream from memory once, front to back (the rows ahead
+// prefetched), for all the activation rows. Also each format's dequantisation to bfloat16, for
+// the GEMM path on CPUs that multiply bfloat16 natively.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -24,49 +18,17 @@
 
 namespace vllm_aot::quant::avx512 {
 
-struct W512 {
-  __m512i lo, hi;  // unsigned codes of inputs 0-15 / 16-31 of four blocks
-  __m512 scale;    // block j's scale in lanes 4j..4j+3
-};
+constexpr int kTileRows = 4;  // weight rows per tile
 
-VLLM_AOT_AVX512 VLLM_AOT_INLINE __mmask64 byte_mask(int64_t bytes) {
-  return bytes >= 64 ? ~0ULL : bytes <= 0 ? 0ULL : (1ULL << bytes) - 1;
+// Sixteen codes (bytes `i` * 16 .. of a block's 32) as float32 weights code * d + m.
+template <class F>
+VLLM_AOT_AVX512 VLLM_AOT_INLINE __m512 sixteen(__m256i codes, int i, __m512 d, __m512 m) {
+  const __m128i bytes = i ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes);
+  const __m512i c = F::kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
 }
 
-// Four fp16 block scales widened, block j's in lanes 4j..4j+3.
-template <bool kTail>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE __m512 spread(const c10::Half* p, int blocks) {
-  const __m128i h = kTail ? _mm_maskz_loadu_epi16((1 << blocks) - 1, p)
-                          : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m512i index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
-}
-
-// Four blocks of 16 bytes, each holding input j (low nibble) and j + 16 (high nibble).
-template <bool kTail>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void nibbles(const uint8_t* p, int blocks, W512& v) {
-  const __m512i bytes =
-      kTail ? _mm512_maskz_loadu_epi8(byte_mask(16 * blocks), p) : _mm512_loadu_si512(p);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  v.lo = _mm512_and_si512(bytes, low);
-  v.hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-}
-
-// Four blocks of 32 int8 codes in input order, offset by 128 to unsigned bytes.
-template <bool kTail>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void signed_codes(const uint8_t* p, int blocks, W512& v) {
-  const __m512i a =
-      kTail ? _mm512_maskz_loadu_epi8(byte_mask(32 * blocks), p) : _mm512_loadu_si512(p);
-  const __m512i b = kTail ? _mm512_maskz_loadu_epi8(byte_mask(32 * blocks - 64), p + 64)
-                          : _mm512_loadu_si512(p + 64);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  // 128-bit pieces [0 lo, 0 hi, 1 lo, 1 hi] and [2 lo, ...] -> [0 lo, 1 lo, 2 lo, 3 lo], [.. hi]
-  v.lo = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, 0x88), flip);
-  v.hi = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, 0xDD), flip);
-}
-
-// Weight rows row0 .. row0 + rows as bfloat16 [rows, k] (rounded to nearest even), from F's
-// block codes and affine map as `avx2::dequantize`.
+// Weight rows row0 .. row0 + rows as bfloat16 [rows, k] (rounded to nearest even).
 template <class F>
 VLLM_AOT_AVX512_BF16 void dequantize_bf16(const Weights& w, int64_t row0, int64_t rows,
                                           c10::BFloat16* out) {
@@ -77,54 +39,12 @@ VLLM_AOT_AVX512_BF16 void dequantize_bf16(const Weights& w, int64_t row0, int64_
       float d, m;
       F::affine(w, row0 + r, b, d, m);
       const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-      __m512 half[2];
-      for (int i = 0; i < 2; ++i) {
-        const __m128i sixteen =
-            i ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes);
-        const __m512i c =
-            F::kSigned ? _mm512_cvtepi8_epi32(sixteen) : _mm512_cvtepu8_epi32(sixteen);
-        half[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), vd, vm);
-      }
-      _mm512_storeu_si512(o + kBlock * b, (__m512i)_mm512_cvtne2ps_pbh(half[1], half[0]));
+      const __m512 lo = sixteen<F>(codes, 0, vd, vm), hi = sixteen<F>(codes, 1, vd, vm);
+      _mm512_storeu_si512(o + kBlock * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
     const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
     for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i)
       o[i] = c10::BFloat16(q[i] * w.row_scale[row0 + r]);
-  }
-}
-
-// acc[b][r] += activation row b . weight row r over one group: x is row 0's group, wr the R
-// weight rows' (unpacked).
-template <class F, int B, int R>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void accumulate(const W512* wr, const ActGroup* x,
-                                                int64_t num_groups, __m512 (&acc)[B][R]) {
-  for (int b = 0; b < B; ++b) {
-    const ActGroup& a = x[b * num_groups];
-    const __m512i xlo = _mm512_load_si512(a.q), xhi = _mm512_load_si512(a.q + 64);
-    const __m512i init = _mm512_load_si512(a.init);
-    const __m512 xs = _mm512_load_ps(a.scale);
-    for (int r = 0; r < R; ++r) {
-      const __m512i dot =
-          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, wr[r].lo, xlo), wr[r].hi, xhi);
-      const __m512 s = F::kHasScale ? _mm512_mul_ps(wr[r].scale, xs) : xs;
-      acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[b][r]);
-    }
-  }
-}
-
-// acc[b][r] += weight row row0 + r's block minimums . activation row b0 + b's block sums.
-template <int B, int R>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void add_min_terms(const Weights& w, int64_t row0, const Acts& a,
-                                          int64_t b0, __m512 (&acc)[B][R]) {
-  for (int64_t c = 0; c < w.blocks; c += 16) {
-    const __mmask16 mask = w.blocks - c >= 16 ? 0xFFFF : (1 << (w.blocks - c)) - 1;
-    __m512 mins[R];
-    for (int r = 0; r < R; ++r)
-      mins[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.min + (row0 + r) * w.blocks + c));
-    for (int b = 0; b < B; ++b) {
-      const __m512 sums = _mm512_load_ps(a.sums + (b0 + b) * a.sums_stride + c);
-      for (int r = 0; r < R; ++r) acc[b][r] = _mm512_fmadd_ps(mins[r], sums, acc[b][r]);
-    }
   }
 }
 
@@ -139,124 +59,140 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// out[b][r] = the accumulators' sums (times the row's scale for per-row formats).
+// Block b of a row as float32 codes: inputs 0-15 in lo, 16-31 in hi (code - kOffset for q4_0).
+template <class F>
+VLLM_AOT_AVX512 VLLM_AOT_INLINE void block_codes(const Weights& w, int64_t row, int64_t b,
+                                                 __m512& lo, __m512& hi) {
+  __m512i a, c;
+  if constexpr (F::kNibbles) {  // one byte holds input j (low nibble) and j + 16 (high)
+    const uint8_t* p = w.q + row * w.q_stride + 16 * b;
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    a = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
+    c = _mm512_srli_epi32(bytes, 4);
+    if constexpr (F::kOffset != 0) {
+      a = _mm512_sub_epi32(a, _mm512_set1_epi32(F::kOffset));
+      c = _mm512_sub_epi32(c, _mm512_set1_epi32(F::kOffset));
+    }
+  } else {
+    const auto* p = reinterpret_cast<const __m128i*>(w.q + row * w.q_stride + 32 * b);
+    a = _mm512_cvtepi8_epi32(_mm_loadu_si128(p));
+    c = _mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1));
+  }
+  lo = _mm512_cvtepi32_ps(a);
+  hi = _mm512_cvtepi32_ps(c);
+}
+
+// Sixteen fp16 per-block values (scales or minimums) of a row from block c (fewer at its end).
+VLLM_AOT_AVX512 VLLM_AOT_INLINE __m512 sixteen_halves(const c10::Half* row, int64_t c,
+                                                      int64_t blocks) {
+  const __mmask16 mask = blocks - c >= 16 ? 0xFFFF : (1u << (blocks - c)) - 1;
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + c));
+}
+
+// out[b][r] = the sum of acc[b][r]'s lanes (times an int8 row's scale, plus its part block).
 template <class F, int B, int R, class Out>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, __m512 (&acc)[B][R],
-                                            Out* out, int64_t ldo) {
+VLLM_AOT_AVX512 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, const float* x,
+                                            __m512 (&acc)[B][R], Out* out) {
+  static_assert(R <= 4, "the sums below take four weight rows");
   const __m512 zero = _mm512_setzero_ps();
+  const int64_t full = w.k / kBlock * kBlock;
   for (int b = 0; b < B; ++b) {
-    for (int r0 = 0; r0 < R; r0 += 4) {
-      float sums[4];
-      _mm_storeu_ps(sums, reduce4(acc[b][r0], r0 + 1 < R ? acc[b][r0 + 1] : zero,
-                                  r0 + 2 < R ? acc[b][r0 + 2] : zero,
-                                  r0 + 3 < R ? acc[b][r0 + 3] : zero));
-      for (int r = r0; r < std::min(R, r0 + 4); ++r) {
-        const float y = F::kRowScale ? sums[r - r0] * w.row_scale[row0 + r] : sums[r - r0];
-        store(y, out + b * ldo + r);
+    float sums[4];
+    _mm_storeu_ps(sums, reduce4(acc[b][0], R > 1 ? acc[b][1] : zero, R > 2 ? acc[b][2] : zero,
+                                R > 3 ? acc[b][3] : zero));
+    for (int r = 0; r < R; ++r) {
+      float y = sums[r];
+      if constexpr (F::kRowScale) {
+        const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
+        for (int64_t i = full; i < w.k; ++i) y += x[b * w.k + i] * q[i];
+        y *= w.row_scale[row0 + r];
+      }
+      store(y, out + b * w.n + row0 + r);
+    }
+  }
+}
+
+// Activation rows x[0 .. B) (stride w.k) against weight rows row0 .. row0 + R: per block,
+// t = codes . x in sixteen lanes, acc += t * the block's scale; q4_1's minimums as one dot with
+// the activations' block sums `xsum` (stride `lds`).
+template <class F, int B, int R, class Out>
+VLLM_AOT_AVX512 void tile_rows(const Weights& w, int64_t row0, const float* x, const float* xsum,
+                               int64_t lds, Out* out) {
+  __m512 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  if constexpr (B == 1) prefetch_rows<R>(w, row0);
+  const int64_t blocks = w.k / kBlock;
+  for (int64_t c = 0; c < blocks; c += 16) {
+    __m512 scales[R];
+    if constexpr (F::kBlockScale)
+      for (int r = 0; r < R; ++r) scales[r] = sixteen_halves(w.scale + (row0 + r) * w.blocks, c, blocks);
+    for (int64_t blk = c; blk < std::min(blocks, c + 16); ++blk) {
+      __m512 xlo[B], xhi[B];
+      for (int b = 0; b < B; ++b) {
+        xlo[b] = _mm512_loadu_ps(x + b * w.k + blk * kBlock);
+        xhi[b] = _mm512_loadu_ps(x + b * w.k + blk * kBlock + 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512 lo, hi;
+        block_codes<F>(w, row0 + r, blk, lo, hi);
+        if constexpr (F::kBlockScale) {
+          const __m512 d =
+              _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(blk - c)), scales[r]);
+          for (int b = 0; b < B; ++b)
+            acc[b][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, xhi[b], _mm512_mul_ps(lo, xlo[b])), d,
+                                        acc[b][r]);
+        } else {
+          for (int b = 0; b < B; ++b)
+            acc[b][r] = _mm512_fmadd_ps(hi, xhi[b], _mm512_fmadd_ps(lo, xlo[b], acc[b][r]));
+        }
+      }
+    }
+    if constexpr (F::kHasMin) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 mins = sixteen_halves(w.min + (row0 + r) * w.blocks, c, blocks);
+        for (int b = 0; b < B; ++b)
+          acc[b][r] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(xsum + b * lds + c), acc[b][r]);
       }
     }
   }
+  finish<F>(w, row0, x, acc, out);
 }
 
-template <int B, int R>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE void zero(__m512 (&acc)[B][R]) {
-  for (int b = 0; b < B; ++b)
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-}
-
-// Activation rows b0 .. b0 + B against weight rows row0 .. row0 + R read from memory.
-template <class F, int B, int R, class Out>
-VLLM_AOT_AVX512 void direct_tile(const Weights& w, int64_t row0, const Acts& a, int64_t b0,
-                                 Out* out) {
-  __m512 acc[B][R];
-  zero(acc);
-  const int64_t full = w.blocks / kGroupBlocks;
-  const int tail = static_cast<int>(w.blocks % kGroupBlocks);
-  const ActGroup* x = a.groups + b0 * a.num_groups;
-  W512 wr[R];
-  for (int64_t g = 0; g < full; ++g) {
-    if constexpr (B == 1) prefetch_ahead<R>(w, row0, g * F::kGroupBytes, F::kGroupBytes);
-    for (int r = 0; r < R; ++r) wr[r] = F::template load512<false>(w, row0 + r, g, kGroupBlocks);
-    accumulate<F, B, R>(wr, x + g, a.num_groups, acc);
-  }
-  if (tail) {
-    for (int r = 0; r < R; ++r) wr[r] = F::template load512<true>(w, row0 + r, full, tail);
-    accumulate<F, B, R>(wr, x + full, a.num_groups, acc);
-  }
-  if constexpr (F::kHasMin) add_min_terms(w, row0, a, b0, acc);
-  finish<F>(w, row0, acc, out + b0 * w.n + row0, w.n);
-}
-
-// Activation rows b0 .. b0 + B against R weight rows unpacked in `tile` ([num_groups][R]).
-template <class F, int B, int R, class Out>
-VLLM_AOT_AVX512 void buffered_tile(const Weights& w, int64_t row0, const W512* tile,
-                                   const Acts& a, int64_t b0, Out* out) {
-  __m512 acc[B][R];
-  zero(acc);
-  const ActGroup* x = a.groups + b0 * a.num_groups;
-  for (int64_t g = 0; g < a.num_groups; ++g)
-    accumulate<F, B, R>(tile + g * R, x + g, a.num_groups, acc);
-  if constexpr (F::kHasMin) add_min_terms(w, row0, a, b0, acc);
-  finish<F>(w, row0, acc, out + b0 * w.n + row0, w.n);
-}
-
-constexpr int kTileRows = 4;   // weight rows per tile
-constexpr int kBlockActs = 4;  // activation rows per register block
-
-// Every activation row against weight rows row0 .. row0 + R.
+// Activation rows 0 .. m against weight rows row0 .. row0 + R.
 template <class F, int R, class Out>
-VLLM_AOT_AVX512 void rows(const Weights& w, int64_t row0, const Acts& a, int64_t m, W512* tile,
-                          Out* out) {
+VLLM_AOT_AVX512 void rows(const Weights& w, int64_t row0, const float* x, int64_t m,
+                          const float* xsum, int64_t lds, Out* out) {
   switch (m) {
-    case 1: return direct_tile<F, 1, R>(w, row0, a, 0, out);
-    case 2: return direct_tile<F, 2, R>(w, row0, a, 0, out);
-    case 3: return direct_tile<F, 3, R>(w, row0, a, 0, out);
-    case 4: return direct_tile<F, 4, R>(w, row0, a, 0, out);
-    default: break;
-  }
-  const int64_t full = w.blocks / kGroupBlocks;
-  const int tail = static_cast<int>(w.blocks % kGroupBlocks);
-  for (int64_t g = 0; g < full; ++g)
-    for (int r = 0; r < R; ++r) tile[g * R + r] = F::template load512<false>(w, row0 + r, g, 4);
-  if (tail)
-    for (int r = 0; r < R; ++r)
-      tile[full * R + r] = F::template load512<true>(w, row0 + r, full, tail);
-  int64_t b = 0;
-  for (; b + kBlockActs <= m; b += kBlockActs)
-    buffered_tile<F, kBlockActs, R>(w, row0, tile, a, b, out);
-  switch (m - b) {
-    case 3: return buffered_tile<F, 3, R>(w, row0, tile, a, b, out);
-    case 2: return buffered_tile<F, 2, R>(w, row0, tile, a, b, out);
-    case 1: return buffered_tile<F, 1, R>(w, row0, tile, a, b, out);
-    default: return;
+    case 1: return tile_rows<F, 1, R>(w, row0, x, xsum, lds, out);
+    case 2: return tile_rows<F, 2, R>(w, row0, x, xsum, lds, out);
+    case 3: return tile_rows<F, 3, R>(w, row0, x, xsum, lds, out);
+    default: return tile_rows<F, 4, R>(w, row0, x, xsum, lds, out);
   }
 }
 
-template <class F, class Out>
-VLLM_AOT_AVX512 void tiles(const Weights& w, const Acts& a, int64_t m, int64_t begin, int64_t end,
-                           W512* tile, Out* out) {
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t row0 = t * kTileRows;
-    if (row0 + kTileRows <= w.n) {
-      rows<F, kTileRows>(w, row0, a, m, tile, out);
-    } else {
-      for (int64_t r = row0; r < w.n; ++r) rows<F, 1>(w, r, a, m, tile, out);
-    }
-  }
-}
-
-// `MultiplyFn` for format F.
+// `MultiplyFn` for format F: up to kMaxDirectRows activation rows.
 template <class F>
-void multiply(const Weights& w, const Acts& a, int64_t m, at::Tensor& out) {
+void multiply(const Weights& w, const float* x, int64_t m, at::Tensor& out) {
+  static_assert(kMaxDirectRows <= 4, "register blocks of up to four activation rows");
+  const at::Tensor sums = block_sums<F>(w, x, m);
+  const float* xsum = sums.numel() ? sums.data_ptr<float>() : nullptr;
+  const int64_t lds = sums.dim() == 2 ? sums.size(1) : 0;
   at::parallel_for(0, (w.n + kTileRows - 1) / kTileRows, 1, [&](int64_t begin, int64_t end) {
-    // aten's allocator aligns to 64 bytes (std::vector need not align W512).
-    const int64_t size = m > kBlockActs ? a.num_groups * kTileRows : 0;
-    at::Tensor buffer = at::empty({size * static_cast<int64_t>(sizeof(W512))}, at::kByte);
-    auto* tile = reinterpret_cast<W512*>(buffer.data_ptr<uint8_t>());
+    const auto run = [&](auto* o) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t row0 = t * kTileRows;
+        if (row0 + kTileRows <= w.n) {
+          rows<F, kTileRows>(w, row0, x, m, xsum, lds, o);
+        } else {
+          for (int64_t r = row0; r < w.n; ++r) rows<F, 1>(w, r, x, m, xsum, lds, o);
+        }
+      }
+    };
     if (out.scalar_type() == at::kFloat) {
-      tiles<F>(w, a, m, begin, end, tile, out.data_ptr<float>());
+      run(out.data_ptr<float>());
     } else {
-      tiles<F>(w, a, m, begin, end, tile, out.data_ptr<c10::BFloat16>());
+      run(out.data_ptr<c10::BFloat16>());
     }
   });
 }

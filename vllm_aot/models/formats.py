@@ -40,7 +40,7 @@ LINEAR_BF16 = "vllm_aot.linear_bf16/1"
 
 # The quantised formats' kernels (`kernels/linear_<format>.cpp`): x @ W.T from the stored tensors.
 QUANTIZED_KERNELS = MappingProxyType(
-    {fmt: f"vllm_aot.linear_{fmt}/1" for fmt in ("int8", "q8_0", "q4_0", "q4_1")}
+    {fmt: f"vllm_aot.linear_{fmt}/2" for fmt in ("int8", "q8_0", "q4_0", "q4_1")}
 )
 
 ATEN_LINEAR = LinearKernel(ATEN, F.linear)
