@@ -83,5 +83,3 @@ def metrics_after_one_completion(url: str) -> str:
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
     return metrics
-
-

@@ -11,4 +11,3 @@ def register() -> str:
     Called more than once per process, so it imports nothing.
     """
     return "vllm_aot.plugin.platform.AotPlatform"
-
