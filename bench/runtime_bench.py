@@ -140,6 +140,7 @@ def main() -> None:
         start = time.perf_counter()
         model, load_report = load_model(artifact, config)
         load_seconds = time.perf_counter() - start
+        weights = model.config.formats_summary()  # gguf: the formats read from the file
 
         ours = {"prefill": time_ours_prefill(model, args.prefill_len, args.repeats)}
         for batch in BATCHES:
@@ -168,11 +169,10 @@ def main() -> None:
     floor_ms = load_report.weights_bytes / bandwidth / 1e6
     console.print(
         f"batch-1 decode step: {step_ms:.2f} ms; its weights ({load_report.weights_bytes / 1e6:.0f}"
-        f" MB, {config.formats_summary()}) read once at the measured {bandwidth:.1f} GB/s take "
+        f" MB, {weights}) read once at the measured {bandwidth:.1f} GB/s take "
         f"{floor_ms:.2f} ms: the step reads them at {100 * floor_ms / step_ms:.0f} % of the "
         "bandwidth"
     )
-    weights = config.formats_summary()
     table = Table(
         title=f"SmolLM2-135M-Instruct, {args.dtype}, {weights}, tokens/s (higher is better)"
     )
