@@ -1,13 +1,16 @@
 """The quantised-weight kernels (`kernels/linear_<format>.cpp`) against their formats' reference
-(`dequantize` then a float32 linear), on every row-count path, on AVX-512 VNNI where this CPU has
-it and on the AVX2 path forced in a child process (`VLLM_AOT_KERNEL_ISA=avx2`).
+(`dequantize` then a float32 linear), on every row-count path, on the best instruction set this
+CPU has and on each lower one forced in a child process (`VLLM_AOT_KERNEL_ISA=avx512`, `avx2`).
 
-The tolerance, and why: the kernels multiply in float32 with the activations as they are (no
-int8 activation blocks: `kernels/quant.h`), so up to kMaxDirectRows rows the result is the
-reference's to float32 rounding, `1e-5 * (|x| @ |W|.T)`, and a row's result does not depend on
-the other rows. Beyond, the weights are dequantised for aten's GEMM: to float32, or to bfloat16
-for bfloat16 activations where the CPU multiplies bfloat16 natively (each weight moves by at most
-2^-9 of itself: `2^-8 * (|x| @ |W|.T)` covers it). Outputs in bfloat16 add their own rounding
+The tolerance, and why: the float32 kernels multiply the activations as they are with float32
+sums (no int8 activation blocks: `kernels/quant.h`), so up to kMaxDirectRows rows the result is
+the reference's to float32 rounding, `1e-5 * (|x| @ |W|.T)`, and a row's result does not depend
+on the other rows. With AVX512-VNNI, bfloat16 activations of the nibble formats are 15-bit fixed
+point per block of 32 (`kernels/quant_avx512_vnni.h`): each moves by at most 2^-15 of its
+block's largest |x|, which adds `2^-15 * (blockmax|x| @ |W|.T)`. Beyond kMaxDirectRows the
+weights are dequantised for aten's GEMM: to float32, or to bfloat16 for bfloat16 activations
+where the CPU multiplies bfloat16 natively (each weight moves by at most 2^-9 of itself:
+`2^-8 * (|x| @ |W|.T)` covers it). Outputs in bfloat16 add their own rounding
 (2^-8 of the value).
 """
 
@@ -34,6 +37,7 @@ MAX_DIRECT_ROWS = 4  # `kernels/quant.h`: kMaxDirectRows
 # (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
 SHAPES = ((7, 96), (33, 576), (65, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
+NIBBLE_FORMATS = ("q4_0", "q4_1")  # `kernels/quant_avx512_vnni.h`
 
 
 def op(fmt: str):
@@ -45,6 +49,7 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(out_features, in_features, generator=g))
     weight = WEIGHT_FORMATS[fmt].dequantize(*stored)
+    fixed_point = fmt in NIBBLE_FORMATS and torch.ops.vllm_aot.quant_isa() == "avx512_vnni"
     bf16_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
     for rows in ROWS:
         # Inputs of different sizes, so blocks have different scales.
@@ -56,6 +61,10 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
         magnitude = x.float().abs() @ weight.abs().T
         gemm_bf16 = rows > MAX_DIRECT_ROWS and dtype == torch.bfloat16
         rounding = (2.0**-8 if gemm_bf16 else 1e-5) * magnitude
+        if fixed_point and rows <= MAX_DIRECT_ROWS and dtype == torch.bfloat16:
+            # each x moved by up to 2^-15 of its block's largest |x|
+            largest = x.float().abs().reshape(rows, -1, 32).amax(-1, keepdim=True)
+            rounding += 2.0**-15 * largest.expand(-1, -1, 32).reshape(rows, -1) @ weight.abs().T
         tolerance = rounding + bf16_out * want.abs()
         error = (got.float() - want).abs()
         assert (error <= tolerance).all(), f"{fmt} {rows}x{in_features}: {error - tolerance}"
@@ -83,15 +92,33 @@ def test_kernel_matches_the_reference_on_every_row_path(fmt, dtype):
         check_case(fmt, out_features, in_features, dtype)
 
 
-def test_the_avx2_path_matches_too():
-    """The same checks in a child process that forces the AVX2 path (the floor every CPU with
-    our kernels runs; this machine may pick AVX-512)."""
+def _isa_levels() -> list[str]:
+    """This CPU's instruction sets for our kernels, lowest first (`kernels/quant.cpp`'s rule)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    levels = ["avx2"]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        levels.append("avx512")
+        if "avx512_vnni" in flags:
+            levels.append("avx512_vnni")
+    return levels
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+def test_each_lower_instruction_set_matches_too(cap):
+    """The same checks in a child process capped at a lower instruction set (AVX2 is the floor
+    every CPU with our kernels runs; AVX-512 without BF16 is a Skylake's or a Zen 3's lot)."""
+    if cap not in _isa_levels()[:-1]:
+        pytest.skip(f"{cap} is this CPU's best, checked in this process")
     script = (
         "import torch; from vllm_aot import kernels; kernels.load()\n"
-        "assert torch.ops.vllm_aot.quant_isa() == 'avx2'\n"
+        f"assert torch.ops.vllm_aot.quant_isa() == {cap!r}\n"
         "from tests.test_quant_kernels import check_all; check_all(); print('ok')"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_AOT_KERNEL_ISA": "avx2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_AOT_KERNEL_ISA": cap}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
@@ -129,6 +156,7 @@ def test_wrong_planes_are_refused_naming_the_layout():
 
 
 def test_the_chosen_path_follows_the_cpu():
-    forced = os.environ.get("VLLM_AOT_KERNEL_ISA") == "avx2"
-    expected = "avx512" if torch.cpu._is_avx512_supported() and not forced else "avx2"
+    levels = _isa_levels()
+    cap = os.environ.get("VLLM_AOT_KERNEL_ISA", "auto")
+    expected = levels[-1] if cap == "auto" else min(cap, levels[-1], key=levels.index)
     assert torch.ops.vllm_aot.quant_isa() == expected

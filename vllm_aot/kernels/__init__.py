@@ -7,12 +7,13 @@
   while reading half the bytes.
 - `vllm_aot::linear_int8|q8_0|q4_0|q4_1(x, *stored)` (`linear_<format>.cpp`, sharing `quant.h`):
   `x @ W.T` straight from a quantised weight's stored tensors (the layouts of `models/formats.py`),
-  x float32 or bfloat16, the result in x's dtype. Up to 32 rows the activations are quantised once
-  per call to int8 blocks of 32 (llama.cpp's q8 blocks) and multiplied by integer dot products:
-  one row streams the weights once, front to back (batch-1 decode, bound by memory), 2-32 rows
-  unpack each tile of weight rows once for all of them (`quant_avx2.h`, `quant_avx512.h`); more
-  rows (prefill) dequantise the weights in chunks for aten's GEMM (`quant.cpp`). A row's result
-  never depends on the other rows.
+  x float32 or bfloat16, the result in x's dtype. Up to 4 rows (decode at small batch) the weights
+  stream once, front to back, each block widened in registers for all the rows: float32
+  arithmetic on the activations as they are (`quant_avx2.h`, `quant_avx512.h`), or, for bfloat16
+  activations of the 4-bit formats on AVX512-VNNI, the codes as bytes times the activations as
+  15-bit fixed point per block (`quant_avx512_vnni.h`). More rows (prefill) dequantise the
+  weights in chunks for aten's GEMM (`quant.cpp`). A row's result never depends on the other
+  rows (`quant.h`).
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
   k_scale, v_scale)` (`decode_attention.cpp`): paged attention of one query per row that reads
   only the row's real context (pools of q's dtype, or fp8 with the layer's scales), where the
@@ -30,9 +31,9 @@ Each `.cpp` file here defines its ops, their CPU implementation and their shape 
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
 folder, built with the machine's C++ compiler (the one Inductor uses) for AVX2 + FMA. Faster
 instruction sets are functions compiled for their own target (`__attribute__((target))`) and
-chosen at run time from the CPU's features: the quantised linears take AVX-512 VNNI where the CPU
-has it, unless `VLLM_AOT_KERNEL_ISA=avx2` (read once per process, by the library) forces the
-AVX2 path; `vllm_aot::quant_isa()` names the path taken. It is installed once per
+chosen at run time from the CPU's features: the quantised linears take AVX-512 (with VNNI where
+the CPU has it), else AVX2; `VLLM_AOT_KERNEL_ISA=avx512` or `avx2` (read once per process, by the
+library) caps the choice, and `vllm_aot::quant_isa()` names the path taken. It is installed once per
 machine in `<cache root>/kernels/<build digest>/` (`library_dir()`; the digest covers the
 sources, flags, torch version and machine: `build_fingerprint()`) with a record (`library.json`:
 the fingerprint and the library's sha256) written before the directory is renamed into place,

@@ -13,23 +13,15 @@ namespace {
 using namespace vllm_aot::quant;
 
 struct Int8 {
-  static constexpr bool kSigned = true, kRowScale = true;
+  static constexpr bool kRowScale = true;
   static constexpr bool kNibbles = false, kBlockScale = false, kHasMin = false;
   static constexpr int kOffset = 0;  // subtracted from the codes
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
-  }
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t,
-                                                    float& d, float& m) {
-    d = w.row_scale[row];
-    m = 0.f;
-  }
 };
 
 const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>},
-                   avx2::dequantize<Int8>, avx512::dequantize_bf16<Int8>};
+                  nullptr,
+                  avx2::dequantize<Int8>,
+                  avx512::dequantize_bf16<Int8>};
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
   TORCH_CHECK(qweight.dim() == 2, "linear_int8: qweight int8 [n, k]");

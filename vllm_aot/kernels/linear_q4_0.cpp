@@ -6,30 +6,22 @@
 #include "quant.h"
 #include "quant_avx2.h"
 #include "quant_avx512.h"
+#include "quant_avx512_vnni.h"
 
 namespace {
 
 using namespace vllm_aot::quant;
 
 struct Q4_0 {
-  static constexpr bool kSigned = false, kRowScale = false;
+  static constexpr bool kRowScale = false;
   static constexpr bool kNibbles = true, kBlockScale = true, kHasMin = false;
   static constexpr int kOffset = 8;  // subtracted from the codes
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
-    return avx2::nibble_codes(w.q + row * w.q_stride + 16 * b);
-  }
-
-  // (q - 8) * d as q * d - 8 * d: one rounding of the same exact value.
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t b,
-                                                    float& d, float& m) {
-    d = widen(w.scale + row * w.blocks + b);
-    m = -8.f * d;
-  }
 };
 
 const Format kQ4_0{{avx2::multiply<Q4_0>, avx512::multiply<Q4_0>},
-                   avx2::dequantize<Q4_0>, avx512::dequantize_bf16<Q4_0>};
+                  avx512_vnni::multiply<Q4_0>,
+                  avx2::dequantize<Q4_0>,
+                  avx512::dequantize_bf16<Q4_0>};
 
 at::Tensor linear_q4_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
   const int64_t n = qweight.size(0), k = 2 * qweight.size(1);

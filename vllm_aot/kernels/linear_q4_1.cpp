@@ -6,29 +6,22 @@
 #include "quant.h"
 #include "quant_avx2.h"
 #include "quant_avx512.h"
+#include "quant_avx512_vnni.h"
 
 namespace {
 
 using namespace vllm_aot::quant;
 
 struct Q4_1 {
-  static constexpr bool kSigned = false, kRowScale = false;
+  static constexpr bool kRowScale = false;
   static constexpr bool kNibbles = true, kBlockScale = true, kHasMin = true;
   static constexpr int kOffset = 0;  // subtracted from the codes
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
-    return avx2::nibble_codes(w.q + row * w.q_stride + 16 * b);
-  }
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t b,
-                                                    float& d, float& m) {
-    d = widen(w.scale + row * w.blocks + b);
-    m = widen(w.min + row * w.blocks + b);
-  }
 };
 
 const Format kQ4_1{{avx2::multiply<Q4_1>, avx512::multiply<Q4_1>},
-                   avx2::dequantize<Q4_1>, avx512::dequantize_bf16<Q4_1>};
+                  avx512_vnni::multiply<Q4_1>,
+                  avx2::dequantize<Q4_1>,
+                  avx512::dequantize_bf16<Q4_1>};
 
 at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                        const at::Tensor& min) {

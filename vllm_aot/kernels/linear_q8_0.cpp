@@ -11,23 +11,15 @@ namespace {
 using namespace vllm_aot::quant;
 
 struct Q8_0 {
-  static constexpr bool kSigned = true, kRowScale = false;
+  static constexpr bool kRowScale = false;
   static constexpr bool kNibbles = false, kBlockScale = true, kHasMin = false;
   static constexpr int kOffset = 0;  // subtracted from the codes
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static __m256i codes(const Weights& w, int64_t row, int64_t b) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row * w.q_stride + 32 * b));
-  }
-
-  VLLM_AOT_AVX2 VLLM_AOT_INLINE static void affine(const Weights& w, int64_t row, int64_t b,
-                                                    float& d, float& m) {
-    d = widen(w.scale + row * w.blocks + b);
-    m = 0.f;
-  }
 };
 
 const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>},
-                   avx2::dequantize<Q8_0>, avx512::dequantize_bf16<Q8_0>};
+                  nullptr,
+                  avx2::dequantize<Q8_0>,
+                  avx512::dequantize_bf16<Q8_0>};
 
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
   const int64_t n = qweight.size(0), k = qweight.size(1);

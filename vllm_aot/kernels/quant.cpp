@@ -28,17 +28,20 @@ bool has_avx512() {
 
 Isa choose_isa() {
   const char* forced = std::getenv("VLLM_AOT_KERNEL_ISA");
-  const std::string value = forced ? forced : "";
-  TORCH_CHECK(value.empty() || value == "auto" || value == "avx2", "VLLM_AOT_KERNEL_ISA=", value,
-              " is not supported; supported: auto (the default), avx2");
-  return value != "avx2" && has_avx512() ? Isa::kAvx512 : Isa::kAvx2;
+  const std::string cap = forced ? forced : "";
+  TORCH_CHECK(cap.empty() || cap == "auto" || cap == "avx2" || cap == "avx512",
+              "VLLM_AOT_KERNEL_ISA=", cap,
+              " is not supported; supported: auto (the default), avx2, avx512");
+  if (cap == "avx2" || !has_avx512()) return Isa::kAvx2;
+  if (cap == "avx512" || !__builtin_cpu_supports("avx512vnni")) return Isa::kAvx512;
+  return Isa::kAvx512Vnni;
 }
 
 // Many rows: chunks of weight rows dequantised (in parallel) into a buffer and multiplied by
 // aten's GEMM (in parallel) into out's columns. Chunks are large: each GEMM call costs ~15 us.
 void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& format, Isa chosen,
                         at::Tensor& out) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen == Isa::kAvx512 &&
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen == Isa::kAvx512Vnni &&
                     __builtin_cpu_supports("avx512bf16");
   const at::Tensor xc = x.to(bf16 ? at::kBFloat16 : at::kFloat);
   at::Tensor result =
@@ -62,7 +65,13 @@ void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& for
   if (!result.is_same(out)) out.copy_(result);
 }
 
-std::string quant_isa() { return isa() == Isa::kAvx512 ? "avx512" : "avx2"; }
+std::string quant_isa() {
+  switch (isa()) {
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+    default: return "avx512_vnni";
+  }
+}
 
 }  // namespace
 
@@ -88,8 +97,12 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format) {
     dequantized_linear(x2, w, format, chosen, out2);
     return out;
   }
+  if (chosen == Isa::kAvx512Vnni && format.multiply_bf16 && x2.scalar_type() == at::kBFloat16) {
+    format.multiply_bf16(w, x2.data_ptr<c10::BFloat16>(), m, out2);
+    return out;
+  }
   const at::Tensor xf = x2.to(at::kFloat).contiguous();
-  format.multiply[static_cast<int>(chosen)](w, xf.data_ptr<float>(), m, out2);
+  format.multiply[chosen == Isa::kAvx2 ? 0 : 1](w, xf.data_ptr<float>(), m, out2);
   return out;
 }
 
@@ -111,5 +124,5 @@ at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_
 
 }  // namespace vllm_aot::quant
 
-// Which path the quantised linears take on this CPU: "avx512" or "avx2".
+// Which instruction set the quantised linears use on this CPU: "avx512_vnni", "avx512" or "avx2".
 TORCH_LIBRARY_FRAGMENT(vllm_aot, m) { m.def("quant_isa() -> str", &vllm_aot::quant::quant_isa); }

@@ -1,30 +1,42 @@
 // What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp) share: the stored weight
 // as one view, the instruction set chosen at run time, and the op's driver, which picks a path by
-// the number of activation rows m. The activations stay float32 on every path: the weights are
-// dequantised (w = code * d + m per block of 32) and multiplied in float32, so a program computes
-// what the checkpoint's weights say, to float32 rounding, as the pure-torch reference does.
-// (llama.cpp quantises the activations to int8 blocks for integer dot products; on SmolLM2 that
-// moved the top-5 logits by up to 6 % of their range and changed greedy text on 5 of the 8
-// validate prompts, so we pay the float multiply instead. The weights' bytes, which bound a
-// decode step, are the same.)
+// the number of activation rows m. The activations are never quantised: the weights are
+// dequantised (w = code * d + m per block of 32) and multiplied by the activations as they are,
+// float32 or bfloat16, with float32 sums, so a program computes what the checkpoint's weights
+// say, to float32 rounding, as the pure-torch reference does. (llama.cpp quantises the
+// activations to int8 blocks for integer dot products; on SmolLM2 that moved the top-5 logits by
+// up to 6 % of their range and changed greedy text on 5 of the 8 validate prompts. The weights'
+// bytes, which bound a decode step, are the same.)
 //
 // - m <= kMaxDirectRows (decode at small batch): weight-row tiles in parallel, each block of 32
 //   weights widened from its codes in registers and used by every activation row at once, so
 //   the weights stream from memory once, front to back (the tiles ahead prefetched). A row's
-//   result does not depend on the other rows up to kMaxDirectRows (the same operations in the
-//   same order whatever m).
-// - larger m (larger decode batches, prefill): chunks of weight rows are dequantised (float32, or bfloat16 where the CPU
-//   multiplies bfloat16 natively) and multiplied by aten's GEMM (`quant.cpp`).
+//   result does not depend on the other rows (the same operations in the same order whatever m).
+//   float32 on AVX2 (`quant_avx2.h`) and AVX-512 (`quant_avx512.h`); bfloat16 activations of the
+//   nibble formats as 15-bit fixed point per block, multiplied by the codes as bytes with
+//   AVX512-VNNI (`quant_avx512_vnni.h`: the error that adds is far below the activations' own
+//   bfloat16 rounding); other bfloat16 activations are widened to float32.
+// - larger m (larger decode batches, prefill): chunks of weight rows are dequantised (float32,
+//   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM
+//   (`quant.cpp`).
+//
+// A format states its layout as traits, which every path reads: kNibbles (two codes a byte:
+// input j low, j + 16 high, per block of 16 bytes; else one signed byte each), kOffset
+// (subtracted from the codes: q4_0's 8), kBlockScale (an fp16 scale per block), kHasMin (an
+// fp16 minimum per block, added), kRowScale (a float32 scale per row, int8; its rows may end in
+// a part block).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 // The library is built for AVX2 + FMA; F16C (on every AVX2 CPU) widens the fp16 scales, and the
 // AVX-512 path is compiled for its own target and chosen at run time.
@@ -41,9 +53,12 @@ namespace vllm_aot::quant {
 constexpr int64_t kBlock = 32;          // inputs per block (GGUF's)
 constexpr int64_t kMaxDirectRows = 4;  // beyond: dequantise and run aten's GEMM
 
-enum class Isa { kAvx2 = 0, kAvx512 = 1 };
+// The kernels' instruction set: AVX2 + FMA (the floor), AVX-512, AVX-512 with VNNI's byte dot
+// products (`quant_avx512_vnni.h`).
+enum class Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
 
-// AVX-512 where the CPU has it, unless `VLLM_AOT_KERNEL_ISA=avx2` (read once per process).
+// The best the CPU has, unless `VLLM_AOT_KERNEL_ISA` (avx2, avx512) caps it (read once per
+// process).
 Isa isa();
 
 // One stored weight [n, k], whatever its format (unused planes are null).
@@ -58,15 +73,21 @@ struct Weights {
 // x [m, k] (float32, contiguous) times every weight row into out [m, n] (float32 or bfloat16),
 // in parallel over weight-row tiles.
 using MultiplyFn = void (*)(const Weights& w, const float* x, int64_t m, at::Tensor& out);
+// The same for bfloat16 activations (kAvx512Vnni).
+using MultiplyBf16Fn = void (*)(const Weights& w, const c10::BFloat16* x, int64_t m,
+                                at::Tensor& out);
 // Weight rows row0 .. row0 + rows dequantised into out [rows, k] (float32 or bfloat16).
 using DequantizeFn = void (*)(const Weights& w, int64_t row0, int64_t rows, float* out);
 using DequantizeBf16Fn = void (*)(const Weights& w, int64_t row0, int64_t rows,
                                   c10::BFloat16* out);
 
-// A format's entry points: its kernel per `Isa` and its dequantisation to float32 (AVX2) and to
-// bfloat16 (AVX-512 BF16, for CPUs that multiply bfloat16 natively).
+// A format's entry points: its float32 kernel for AVX2 and AVX-512, its bfloat16 one (null where
+// the format has none: then bfloat16 activations are widened for the float32 kernel), and its
+// dequantisation to float32 (AVX2) and to bfloat16 (for aten's bfloat16 GEMM where the CPU
+// multiplies bfloat16 natively).
 struct Format {
   MultiplyFn multiply[2];
+  MultiplyBf16Fn multiply_bf16;
   DequantizeFn dequantize;
   DequantizeBf16Fn dequantize_bf16;
 };
@@ -101,27 +122,61 @@ inline void prefetch_rows(const Weights& w, int64_t row0) {
 // A stored fp16 scale as float32 (F16C).
 VLLM_AOT_AVX2 VLLM_AOT_INLINE float widen(const c10::Half* p) { return _cvtsh_ss(p->x); }
 
-// q4_1's minimum terms: each activation row's block sums [m, blocks rounded up to 16] (zeros
-// after the last block); an empty tensor for the other formats.
+// Block b of a row as w = code * d + m: its scale d (the row's for int8) and minimum m (0 but for
+// q4_1; q4_0's offset is taken from the codes).
 template <class F>
-at::Tensor block_sums(const Weights& w, const float* x, int64_t m) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void affine(const Weights& w, int64_t row, int64_t b, float& d,
+                                          float& m) {
+  d = F::kRowScale ? w.row_scale[row] : widen(w.scale + row * w.blocks + b);
+  m = F::kHasMin ? widen(w.min + row * w.blocks + b) : 0.f;
+}
+
+// q4_1's minimum terms: each activation row's block sums, rows of `stride` floats (blocks rounded
+// up to 16, zeros after the last block), in a buffer the calling thread reuses; null for the other
+// formats.
+template <class F>
+const float* block_sums(const Weights& w, const float* x, int64_t m, int64_t& stride) {
+  stride = (w.k / kBlock + 15) / 16 * 16;
   if constexpr (!F::kHasMin) {
-    return at::empty({0}, at::kFloat);
+    return nullptr;
   } else {
-    const int64_t blocks = w.k / kBlock, stride = (blocks + 15) / 16 * 16;
-    at::Tensor sums = at::zeros({m, stride}, at::kFloat);
-    float* s = sums.data_ptr<float>();
+    thread_local std::vector<float> sums;
+    sums.assign(m * stride, 0.f);
     for (int64_t b = 0; b < m; ++b)
-      for (int64_t blk = 0; blk < blocks; ++blk) {
+      for (int64_t blk = 0; blk < w.k / kBlock; ++blk) {
         float total = 0.f;
         for (int64_t i = 0; i < kBlock; ++i) total += x[b * w.k + blk * kBlock + i];
-        s[b * stride + blk] = total;
+        sums[b * stride + blk] = total;
       }
-    return sums;
+    return sums.data();
   }
 }
 
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }
+
+// The kernels' driver: tiles of kTile weight rows in parallel (the last part tile row by row),
+// `run(tile, row0, out)` with `tile` a std::integral_constant of the tile's rows and `out` the
+// output's float or bfloat16 data.
+template <int kTile, class Run>
+void parallel_tiles(int64_t n, at::Tensor& out, const Run& run) {
+  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
+    const auto tiles = [&](auto* o) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t row0 = t * kTile;
+        if (row0 + kTile <= n) {
+          run(std::integral_constant<int, kTile>{}, row0, o);
+        } else {
+          for (int64_t r = row0; r < n; ++r) run(std::integral_constant<int, 1>{}, r, o);
+        }
+      }
+    };
+    if (out.scalar_type() == at::kFloat) {
+      tiles(out.data_ptr<float>());
+    } else {
+      tiles(out.data_ptr<c10::BFloat16>());
+    }
+  });
+}
 
 }  // namespace vllm_aot::quant

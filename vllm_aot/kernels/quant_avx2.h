@@ -1,9 +1,7 @@
 // The quantised linears on AVX2 + FMA (float32 arithmetic, `quant.h`): `quant_avx512.h`'s kernel
 // eight lanes wide, two weight rows a tile and two activation rows a register block (16
 // registers), q4_1's minimum terms added per row. Also each format's dequantisation to float32
-// for the GEMM path: from `F::codes` (block b of a row as 32 codes in input order, signed bytes
-// when kSigned) and `F::affine` (w = code * d + m); int8 rows (kRowScale) may end in a part
-// block, whose codes are the bytes themselves.
+// for the GEMM path. Both read the codes through the format's traits (`code8`).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -17,39 +15,6 @@
 namespace vllm_aot::quant::avx2 {
 
 constexpr int kTileRows = 2;  // weight rows per tile (AVX2 has 16 registers)
-
-// One block's 16 bytes of nibbles as its 32 codes in input order (inputs 0-15 low, 16-31 high).
-VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i nibble_codes(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-}
-
-// Eight codes (bytes `i` * 8 .. of a block's 32) as float32 weights code * d + m.
-template <class F>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 eight(__m256i codes, int i, __m256 d, __m256 m) {
-  const __m128i half = i < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
-  const __m128i bytes = i % 2 ? _mm_srli_si128(half, 8) : half;
-  const __m256i c = F::kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), d, m);
-}
-
-// Weight rows row0 .. row0 + rows as float32 [rows, k].
-template <class F>
-VLLM_AOT_AVX2 void dequantize(const Weights& w, int64_t row0, int64_t rows, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * w.k;
-    for (int64_t b = 0; b < w.k / kBlock; ++b) {
-      const __m256i codes = F::codes(w, row0 + r, b);
-      float d, m;
-      F::affine(w, row0 + r, b, d, m);
-      const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + kBlock * b + 8 * i, eight<F>(codes, i, vd, vm));
-    }
-    const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
-    for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i) o[i] = q[i] * w.row_scale[row0 + r];
-  }
-}
 
 // The sums of four accumulators' lanes.
 VLLM_AOT_AVX2 VLLM_AOT_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -71,6 +36,23 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 code8(const Weights& w, int64_t row, int64_
     c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
   return _mm256_cvtepi32_ps(c);
+}
+
+// Weight rows row0 .. row0 + rows as float32 [rows, k].
+template <class F>
+VLLM_AOT_AVX2 void dequantize(const Weights& w, int64_t row0, int64_t rows, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * w.k;
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      float d, m;
+      affine<F>(w, row0 + r, b, d, m);
+      const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(o + kBlock * b + 8 * i, _mm256_fmadd_ps(code8<F>(w, row0 + r, b, i), vd, vm));
+    }
+    const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
+    for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i) o[i] = q[i] * w.row_scale[row0 + r];
+  }
 }
 
 // Activation rows x[0 .. B) (stride w.k) against weight rows row0 .. row0 + R: per block,
@@ -136,25 +118,10 @@ VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const float* x, int64_t 
 // `MultiplyFn` for format F: up to kMaxDirectRows activation rows.
 template <class F>
 void multiply(const Weights& w, const float* x, int64_t m, at::Tensor& out) {
-  const at::Tensor sums = block_sums<F>(w, x, m);
-  const float* xsum = sums.numel() ? sums.data_ptr<float>() : nullptr;
-  const int64_t lds = sums.dim() == 2 ? sums.size(1) : 0;
-  at::parallel_for(0, (w.n + kTileRows - 1) / kTileRows, 1, [&](int64_t begin, int64_t end) {
-    const auto run = [&](auto* o) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t row0 = t * kTileRows;
-        if (row0 + kTileRows <= w.n) {
-          rows<F, kTileRows>(w, row0, x, m, xsum, lds, o);
-        } else {
-          for (int64_t r = row0; r < w.n; ++r) rows<F, 1>(w, r, x, m, xsum, lds, o);
-        }
-      }
-    };
-    if (out.scalar_type() == at::kFloat) {
-      run(out.data_ptr<float>());
-    } else {
-      run(out.data_ptr<c10::BFloat16>());
-    }
+  int64_t lds;
+  const float* xsum = block_sums<F>(w, x, m, lds);
+  parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
+    rows<F, decltype(tile)::value>(w, row0, x, m, xsum, lds, o);
   });
 }
 

@@ -1,11 +1,11 @@
 // The quantised linears on AVX-512 (float32 arithmetic, `quant.h`): tiles of four weight rows in
 // parallel, up to four activation rows a register block (32 registers). Each block of 32 weights
-// is widened from its codes (`block_codes`: the format's traits kNibbles, kSigned, kOffset) and
+// is widened from its codes (`block_codes`: the format's traits kNibbles, kOffset) and
 // t = codes . x is scaled by the block's scale (kBlockScale) into the accumulators; q4_1's
 // minimums (kHasMin) are one dot with the activations' block sums; int8's row scale (kRowScale)
 // multiplies the row's sum. The codes stream from memory once, front to back (the rows ahead
 // prefetched), for all the activation rows. Also each format's dequantisation to bfloat16, for
-// the GEMM path on CPUs that multiply bfloat16 natively.
+// the GEMM path on CPUs that multiply bfloat16 natively (through the same traits).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -19,34 +19,6 @@
 namespace vllm_aot::quant::avx512 {
 
 constexpr int kTileRows = 4;  // weight rows per tile
-
-// Sixteen codes (bytes `i` * 16 .. of a block's 32) as float32 weights code * d + m.
-template <class F>
-VLLM_AOT_AVX512 VLLM_AOT_INLINE __m512 sixteen(__m256i codes, int i, __m512 d, __m512 m) {
-  const __m128i bytes = i ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes);
-  const __m512i c = F::kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
-}
-
-// Weight rows row0 .. row0 + rows as bfloat16 [rows, k] (rounded to nearest even).
-template <class F>
-VLLM_AOT_AVX512_BF16 void dequantize_bf16(const Weights& w, int64_t row0, int64_t rows,
-                                          c10::BFloat16* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    c10::BFloat16* o = out + r * w.k;
-    for (int64_t b = 0; b < w.k / kBlock; ++b) {
-      const __m256i codes = F::codes(w, row0 + r, b);
-      float d, m;
-      F::affine(w, row0 + r, b, d, m);
-      const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-      const __m512 lo = sixteen<F>(codes, 0, vd, vm), hi = sixteen<F>(codes, 1, vd, vm);
-      _mm512_storeu_si512(o + kBlock * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
-    for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i)
-      o[i] = c10::BFloat16(q[i] * w.row_scale[row0 + r]);
-  }
-}
 
 // The sums of four accumulators' lanes.
 VLLM_AOT_AVX512 VLLM_AOT_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -171,29 +143,36 @@ VLLM_AOT_AVX512 void rows(const Weights& w, int64_t row0, const float* x, int64_
   }
 }
 
+// Weight rows row0 .. row0 + rows as bfloat16 [rows, k] (rounded to nearest even).
+template <class F>
+VLLM_AOT_AVX512_BF16 void dequantize_bf16(const Weights& w, int64_t row0, int64_t rows,
+                                          c10::BFloat16* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* o = out + r * w.k;
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      float d, m;
+      affine<F>(w, row0 + r, b, d, m);
+      const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+      __m512 lo, hi;
+      block_codes<F>(w, row0 + r, b, lo, hi);
+      const __m512bh both =
+          _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, vd, vm), _mm512_fmadd_ps(lo, vd, vm));
+      _mm512_storeu_si512(o + kBlock * b, (__m512i)both);
+    }
+    const auto* q = reinterpret_cast<const int8_t*>(w.q + (row0 + r) * w.q_stride);
+    for (int64_t i = w.k / kBlock * kBlock; i < w.k; ++i)
+      o[i] = c10::BFloat16(q[i] * w.row_scale[row0 + r]);
+  }
+}
+
 // `MultiplyFn` for format F: up to kMaxDirectRows activation rows.
 template <class F>
 void multiply(const Weights& w, const float* x, int64_t m, at::Tensor& out) {
   static_assert(kMaxDirectRows <= 4, "register blocks of up to four activation rows");
-  const at::Tensor sums = block_sums<F>(w, x, m);
-  const float* xsum = sums.numel() ? sums.data_ptr<float>() : nullptr;
-  const int64_t lds = sums.dim() == 2 ? sums.size(1) : 0;
-  at::parallel_for(0, (w.n + kTileRows - 1) / kTileRows, 1, [&](int64_t begin, int64_t end) {
-    const auto run = [&](auto* o) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t row0 = t * kTileRows;
-        if (row0 + kTileRows <= w.n) {
-          rows<F, kTileRows>(w, row0, x, m, xsum, lds, o);
-        } else {
-          for (int64_t r = row0; r < w.n; ++r) rows<F, 1>(w, r, x, m, xsum, lds, o);
-        }
-      }
-    };
-    if (out.scalar_type() == at::kFloat) {
-      run(out.data_ptr<float>());
-    } else {
-      run(out.data_ptr<c10::BFloat16>());
-    }
+  int64_t lds;
+  const float* xsum = block_sums<F>(w, x, m, lds);
+  parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
+    rows<F, decltype(tile)::value>(w, row0, x, m, xsum, lds, o);
   });
 }
 

@@ -153,9 +153,8 @@ def _dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.
 
 
 def _quantized_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKernel]:
-    """Our op where our kernels run (int8 activation blocks for up to 48 rows: see
-    `kernels/quant.h`), else the pure-torch multiplication: dequantise to float32, multiply, in
-    the activations' dtype."""
+    """Our op where our kernels run (`kernels/quant.h`), else the pure-torch multiplication:
+    dequantise to float32, multiply, in the activations' dtype."""
 
     def reference(x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
         *tensors, bias = stored

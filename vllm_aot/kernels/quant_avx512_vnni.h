@@ -1,0 +1,196 @@
+// The nibble formats (q4_0, q4_1) for bfloat16 activations on CPUs with AVX512-VNNI (`quant.h`).
+// Widening the codes to float32 costs more than the multiply (a block takes ~6 cycles on the
+// float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64 of them by 64 signed
+// bytes a cycle, summed in int32:
+//
+// - the activations are bfloat16 (8 significant bits) and become 15-bit fixed point per block of
+//   32: x = s * q with s = the block's largest |x| / 16383, q = 128 h + l (h signed, l in 0-127,
+//   both bytes). Each x moves by at most s / 2 = 2^-15 of its block's largest, far below the
+//   bfloat16 rounding it came with (2^-9 of itself), so the sums are the bfloat16 program's to
+//   float32-like precision (the tests' bound: `tests/test_quant_kernels.py`).
+// - 64 bytes of codes are 4 blocks, one per 128-bit lane, as stored (GGUF's layout); their low
+//   nibbles are inputs 0-15 of each block, the high ones 16-31. The activations are rearranged
+//   once a call to match (h and l of inputs 0-15, then 16-31, of 4 blocks a group), so four
+//   `vpdpbusd` consume the 4 blocks, each lane of the sums holding one block's, and
+//   (128 * sum_h + sum_l) times s * d (d the block's scale, spread over its lanes) adds them up.
+// - q4_1's minimums and q4_0's offset are one dot per row: sum over blocks of (m - kOffset * d)
+//   * s * sum(q).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "quant.h"
+#include "quant_avx512.h"
+
+#define VLLM_AOT_AVX512_VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace vllm_aot::quant::avx512_vnni {
+
+using avx512::sixteen_halves;
+
+constexpr int kTileRows = 4;     // weight rows per tile
+constexpr float kLevels = 16383;  // |q| <= 2^14 - 1: q = 128 h + l with h in [-128, 127]
+
+// The activations for one call, in buffers the calling thread reuses: per activation row, per
+// group of 4 blocks, 256 bytes (h of inputs 0-15, l of 0-15, h of 16-31, l of 16-31; 16 bytes a
+// block), zeros after the last block; per row and group, each lane's block scale s (16 floats);
+// per row and block, s * sum(q) (rows of `sums_stride` floats, zeros after the last block).
+struct Arranged {
+  const int8_t* q;
+  const float* scales;
+  const float* sums;
+  int64_t groups, sums_stride;
+};
+
+// Block b of an activation row: its 32 bfloat16 as 15-bit fixed point into the group's bytes
+// (`dst`: its 16 bytes of each quarter), its scale s returned and s * sum(q) in `sum`.
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE float fixed_point(const c10::BFloat16* x, int8_t* dst,
+                                                       float& sum) {
+  const __m512i bits = _mm512_loadu_si512(x);  // 32 bfloat16 -> two float32 halves
+  const __m512 lo = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+  const __m512 hi = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const __m512 inv = _mm512_set1_ps(largest > 0.f ? kLevels / largest : 0.f);
+  // rounded to nearest even, as nearbyint; |q| <= 16383
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  const __m512i low7 = _mm512_set1_epi32(127);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qlo, 7)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64),
+                   _mm512_cvtepi32_epi8(_mm512_and_si512(qlo, low7)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128),
+                   _mm512_cvtepi32_epi8(_mm512_srai_epi32(qhi, 7)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 192),
+                   _mm512_cvtepi32_epi8(_mm512_and_si512(qhi, low7)));
+  const float s = largest / kLevels;
+  sum = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  return s;
+}
+
+VLLM_AOT_AVX512_VNNI inline Arranged arrange(const c10::BFloat16* x, int64_t m, int64_t k) {
+  thread_local std::vector<int8_t> qs;
+  thread_local std::vector<float> scales, sums;
+  const int64_t blocks = k / kBlock, groups = (blocks + 3) / 4, stride = (blocks + 15) / 16 * 16;
+  qs.assign(m * groups * 256, 0);
+  scales.assign(m * groups * 16, 0.f);
+  sums.assign(m * stride, 0.f);
+  for (int64_t b = 0; b < m; ++b)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t group = b * groups + blk / 4;
+      const float s = fixed_point(x + b * k + blk * kBlock, qs.data() + group * 256 + blk % 4 * 16,
+                                  sums[b * stride + blk]);
+      for (int lane = 0; lane < 4; ++lane) scales[group * 16 + blk % 4 * 4 + lane] = s;
+    }
+  return {qs.data(), scales.data(), sums.data(), groups, stride};
+}
+
+// Scales of 16 blocks (from a multiple of 16) spread over group i's 4 lanes each.
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m512 group_scales(__m512 scales, int i) {
+  const __m512i lane = _mm512_srli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(4 * i)), scales);
+}
+
+// The lane sums of R <= 4 accumulators.
+template <int R>
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m128 lane_sums(const __m512 (&acc)[R]) {
+  static_assert(R <= 4, "four accumulators at most");
+  const __m512 zero = _mm512_setzero_ps();
+  return avx512::reduce4(acc[0], R > 1 ? acc[1] : zero, R > 2 ? acc[2] : zero,
+                         R > 3 ? acc[3] : zero);
+}
+
+// Rows row0 .. row0 + R's minimum and offset terms: the sum over blocks of
+// (m - kOffset * d) * s * sum(q), for one activation row's `sums`.
+template <class F, int R>
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m128 offset_terms(const Weights& w, int64_t row0,
+                                                         const float* sums) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < w.blocks; c += 16) {
+    const __m512 s = _mm512_loadu_ps(sums + c);
+    for (int r = 0; r < R; ++r) {
+      __m512 shift = _mm512_setzero_ps();
+      if constexpr (F::kOffset != 0)
+        shift = _mm512_mul_ps(sixteen_halves(w.scale + (row0 + r) * w.blocks, c, w.blocks),
+                              _mm512_set1_ps(-static_cast<float>(F::kOffset)));
+      if constexpr (F::kHasMin)
+        shift = _mm512_add_ps(shift, sixteen_halves(w.min + (row0 + r) * w.blocks, c, w.blocks));
+      acc[r] = _mm512_fmadd_ps(shift, s, acc[r]);
+    }
+  }
+  return lane_sums<R>(acc);
+}
+
+// Activation rows 0 .. B against weight rows row0 .. row0 + R.
+template <class F, int B, int R, class Out>
+VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arranged& x, Out* out) {
+  __m512 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  if constexpr (B == 1) prefetch_rows<R>(w, row0);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 scales[R];
+  for (int64_t g = 0; g < x.groups; ++g) {
+    if (g % 4 == 0)
+      for (int r = 0; r < R; ++r)
+        scales[r] = sixteen_halves(w.scale + (row0 + r) * w.blocks, 4 * g, w.blocks);
+    const int64_t left = w.blocks - 4 * g;
+    const __mmask64 mask = left >= 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * left)) - 1;
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_maskz_loadu_epi8(mask, w.q + (row0 + r) * w.q_stride + 64 * g);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512 d = group_scales(scales[r], static_cast<int>(g % 4));
+      for (int b = 0; b < B; ++b) {
+        const int8_t* q = x.q + (b * x.groups + g) * 256;
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q)),
+                                              hi, _mm512_loadu_si512(q + 128));
+        const __m512i l =
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q + 64)), hi,
+                                _mm512_loadu_si512(q + 192));
+        const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
+        const __m512 s = _mm512_loadu_ps(x.scales + (b * x.groups + g) * 16);
+        acc[b][r] = _mm512_fmadd_ps(t, _mm512_mul_ps(d, s), acc[b][r]);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    float y[4];
+    _mm_storeu_ps(y, _mm_add_ps(lane_sums<R>(acc[b]),
+                                offset_terms<F, R>(w, row0, x.sums + b * x.sums_stride)));
+    for (int r = 0; r < R; ++r) store(y[r], out + b * w.n + row0 + r);
+  }
+}
+
+template <class F, int R, class Out>
+VLLM_AOT_AVX512_VNNI void rows(const Weights& w, int64_t row0, const Arranged& x, int64_t m,
+                               Out* out) {
+  switch (m) {
+    case 1: return tile_rows<F, 1, R>(w, row0, x, out);
+    case 2: return tile_rows<F, 2, R>(w, row0, x, out);
+    case 3: return tile_rows<F, 3, R>(w, row0, x, out);
+    default: return tile_rows<F, 4, R>(w, row0, x, out);
+  }
+}
+
+// `MultiplyBf16Fn` for a nibble format F: up to kMaxDirectRows activation rows.
+template <class F>
+void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& out) {
+  static_assert(F::kNibbles && F::kBlockScale, "the nibble formats (q4_0, q4_1)");
+  static_assert(kMaxDirectRows <= 4, "register blocks of up to four activation rows");
+  const Arranged arranged = arrange(x, m, w.k);
+  parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
+    rows<F, decltype(tile)::value>(w, row0, arranged, m, o);
+  });
+}
+
+}  // namespace vllm_aot::quant::avx512_vnni
