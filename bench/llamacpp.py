@@ -64,6 +64,7 @@ class LlamaCppServer:
                 "--host", "127.0.0.1", "--port", str(port),
                 "--threads", str(num_threads), "--threads-batch", str(num_threads),
                 "--parallel", str(num_slots), "--ctx-size", str(num_slots * _MAX_MODEL_LEN),
+                *(["--no-repack"] if _advertises_amx() else []),
             ]  # fmt: skip
         return [
             str(BUILD_DIR / "bin" / "python"), str(PYTHON_SERVER), str(gguf), "--alias", name,
@@ -76,6 +77,18 @@ class LlamaCppServer:
             return ["--header", "Connection=close"]
         banned = {str(token): -100 for token in banned_ids}
         return ["--extra-body", json.dumps({"logit_bias": banned})]
+
+
+def _advertises_amx() -> bool:
+    """Whether the CPU says it has AMX. ggml's AMX kernels (an "extra buffer type", on by
+    default) then die of SIGILL at their first tile instruction on the VMs these benchmarks run
+    on, although oneDNN's AMX matmuls run there. `--no-repack` turns ggml's extra buffer types
+    off: llama.cpp keeps its AVX-512 VNNI kernels, and on x86 neither Q4_1 nor Q8_0 (the bundled
+    model's formats) has a repacked layout it would lose."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def find_server(kind: str | None = None) -> LlamaCppServer | None:
