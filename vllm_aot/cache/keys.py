@@ -25,7 +25,7 @@ import vllm_aot
 from vllm_aot.kernels import program_kernels
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.programs import ProgramKey
+from vllm_aot.runtime.programs import ProgramKey, ProgramKind
 
 # Bump when the layout of a cache entry changes (code changes are caught by the source digest).
 CACHE_FORMAT = 1
@@ -87,14 +87,15 @@ def _x86_vector_isas() -> list:
     return [c for c in isa.supported_vec_isa_list if all(f in have for f in str(c).split())]
 
 
-def compiler_flags() -> dict[str, Any]:
-    """Inductor settings that change the generated code (read after any TORCHINDUCTOR_* env)."""
+def compiler_flags(kind: ProgramKind) -> dict[str, Any]:
+    """Inductor settings that change a program's generated code (read after any TORCHINDUCTOR_*
+    env)."""
     from torch._inductor import config
 
-    from vllm_aot.runtime.compiler import INDUCTOR_SETTINGS
+    from vllm_aot.runtime.compiler import inductor_settings
 
     return {
-        **INDUCTOR_SETTINGS,
+        **inductor_settings(kind),
         "cpp.simdlen": config.cpp.simdlen,
         "max_autotune": config.max_autotune,
         "freezing": config.freezing,
@@ -121,7 +122,7 @@ def program_fingerprint(arch: ModelArch, config: RuntimeConfig, key: ProgramKey)
         "program": {"kind": key.kind.value, "size": key.size, "context": key.context_tokens},
         "runtime": {name: shapes[name] for name in _PROGRAM_FIELDS},
         "backend": "inductor",
-        "flags": compiler_flags(),
+        "flags": compiler_flags(key.kind),
         "kernels": program_kernels(config.formats_used()),
         "target": cpu_target(),
         "source": generator_source_digest(),

@@ -131,15 +131,20 @@ VLLM_AOT_AVX512 void tile_rows(const Weights& w, int64_t row0, const float* x, c
   finish<F>(w, row0, x, acc, out);
 }
 
-// Activation rows 0 .. m against weight rows row0 .. row0 + R.
+// Activation rows 0 .. m against weight rows row0 .. row0 + R, four rows a register block (the
+// tile's codes stay in L1 for the blocks after the first).
 template <class F, int R, class Out>
 VLLM_AOT_AVX512 void rows(const Weights& w, int64_t row0, const float* x, int64_t m,
                           const float* xsum, int64_t lds, Out* out) {
-  switch (m) {
-    case 1: return tile_rows<F, 1, R>(w, row0, x, xsum, lds, out);
-    case 2: return tile_rows<F, 2, R>(w, row0, x, xsum, lds, out);
-    case 3: return tile_rows<F, 3, R>(w, row0, x, xsum, lds, out);
-    default: return tile_rows<F, 4, R>(w, row0, x, xsum, lds, out);
+  for (int64_t b = 0; b < m; b += 4) {
+    const float *xb = x + b * w.k, *sb = xsum ? xsum + b * lds : nullptr;
+    Out* ob = out + b * w.n;
+    switch (std::min<int64_t>(m - b, 4)) {
+      case 1: tile_rows<F, 1, R>(w, row0, xb, sb, lds, ob); break;
+      case 2: tile_rows<F, 2, R>(w, row0, xb, sb, lds, ob); break;
+      case 3: tile_rows<F, 3, R>(w, row0, xb, sb, lds, ob); break;
+      default: tile_rows<F, 4, R>(w, row0, xb, sb, lds, ob);
+    }
   }
 }
 
@@ -168,7 +173,6 @@ VLLM_AOT_AVX512_BF16 void dequantize_bf16(const Weights& w, int64_t row0, int64_
 // `MultiplyFn` for format F: up to kMaxDirectRows activation rows.
 template <class F>
 void multiply(const Weights& w, const float* x, int64_t m, at::Tensor& out) {
-  static_assert(kMaxDirectRows <= 4, "register blocks of up to four activation rows");
   int64_t lds;
   const float* xsum = block_sums<F>(w, x, m, lds);
   parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {

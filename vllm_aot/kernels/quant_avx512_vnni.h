@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -171,14 +172,21 @@ VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arrang
   }
 }
 
+// Activation rows 0 .. m against weight rows row0 .. row0 + R, four rows a register block (the
+// tile's codes stay in L1 for the blocks after the first).
 template <class F, int R, class Out>
 VLLM_AOT_AVX512_VNNI void rows(const Weights& w, int64_t row0, const Arranged& x, int64_t m,
                                Out* out) {
-  switch (m) {
-    case 1: return tile_rows<F, 1, R>(w, row0, x, out);
-    case 2: return tile_rows<F, 2, R>(w, row0, x, out);
-    case 3: return tile_rows<F, 3, R>(w, row0, x, out);
-    default: return tile_rows<F, 4, R>(w, row0, x, out);
+  for (int64_t b = 0; b < m; b += 4) {
+    const Arranged xb{x.q + b * x.groups * 256, x.scales + b * x.groups * 16,
+                      x.sums + b * x.sums_stride, x.groups, x.sums_stride};
+    Out* ob = out + b * w.n;
+    switch (std::min<int64_t>(m - b, 4)) {
+      case 1: tile_rows<F, 1, R>(w, row0, xb, ob); break;
+      case 2: tile_rows<F, 2, R>(w, row0, xb, ob); break;
+      case 3: tile_rows<F, 3, R>(w, row0, xb, ob); break;
+      default: tile_rows<F, 4, R>(w, row0, xb, ob);
+    }
   }
 }
 
@@ -186,7 +194,6 @@ VLLM_AOT_AVX512_VNNI void rows(const Weights& w, int64_t row0, const Arranged& x
 template <class F>
 void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& out) {
   static_assert(F::kNibbles && F::kBlockScale, "the nibble formats (q4_0, q4_1)");
-  static_assert(kMaxDirectRows <= 4, "register blocks of up to four activation rows");
   const Arranged arranged = arrange(x, m, w.k);
   parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
     rows<F, decltype(tile)::value>(w, row0, arranged, m, o);

@@ -38,10 +38,22 @@ from vllm_aot.runtime.programs import (
 
 # Inductor emits parallel loops only when it compiles for more than one thread, and by default
 # it reads the compiling process's thread count (1 in our compile workers) and may hardcode it.
-# Programs are compiled as for CODEGEN_THREADS threads with `#pragma omp parallel` left to the
-# runtime's OpenMP pool, so one program serves any core count and its cache key names no machine.
+# Prefill and head programs are compiled as for CODEGEN_THREADS threads with `#pragma omp
+# parallel` left to the runtime's OpenMP pool, so one program serves any core count and its cache
+# key names no machine. Decode layer programs are compiled serial: what Inductor generates there
+# (norms, rotary, residuals, SwiGLU over a few rows of the hidden size) is microseconds of work,
+# while a parallel region costs a fork and a barrier, ~9 a layer, and stalls whenever another
+# process (the server's front end) holds one of the cores. Their linears and attention are our
+# kernels, parallel on their own.
 CODEGEN_THREADS = 8
-INDUCTOR_SETTINGS = {"cpp.threads": CODEGEN_THREADS, "cpp.dynamic_threads": True}
+PARALLEL_SETTINGS = {"cpp.threads": CODEGEN_THREADS, "cpp.dynamic_threads": True}
+SERIAL_SETTINGS = {"cpp.threads": 1, "cpp.dynamic_threads": False}
+
+
+def inductor_settings(kind: ProgramKind) -> dict[str, object]:
+    """The Inductor settings a program of `kind` is compiled with (part of its cache key)."""
+    return SERIAL_SETTINGS if kind is ProgramKind.DECODE else PARALLEL_SETTINGS
+
 
 OnDone = Callable[[ProgramKey, float], None]
 
@@ -54,7 +66,7 @@ def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, pat
     start = time.perf_counter()
     module = build_module(key, arch, config)
     inputs = example_inputs(key, arch, config)
-    with torch.no_grad(), torch._inductor.config.patch(INDUCTOR_SETTINGS):
+    with torch.no_grad(), torch._inductor.config.patch(inductor_settings(key.kind)):
         exported = torch.export.export(
             module, inputs, dynamic_shapes=dynamic_shapes(key, inputs), strict=False
         )
