@@ -24,6 +24,7 @@
 
 namespace {
 
+using vllm_aot::exp8;
 using vllm_aot::load8;
 using vllm_aot::sum8;
 
@@ -129,8 +130,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         float* s = &scores[g * (max_keys + 1)];
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t <= len; ++t) top = std::max(top, s[t]);
-        float total = 0.f;
-        for (int64_t t = 0; t <= len; ++t) total += (s[t] = std::exp(s[t] - top));
+        __m256 sums = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len + 1; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+          _mm256_storeu_ps(s + t, e);
+          sums = _mm256_add_ps(sums, e);
+        }
+        float total = sum8(sums);
+        for (; t <= len; ++t) total += (s[t] = std::exp(s[t] - top));
         const float inv = 1.f / total;
         for (int64_t t = 0; t <= len; ++t) s[t] *= inv;
         auto value = [&](int64_t t) { return cached(vp, t); };
