@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels n
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = tuple(QUANTIZED_KERNELS)
 ROWS = (1, 2, 3, 4, 5, 8, 17, 32, 33, 300)
-MAX_DIRECT_ROWS = 4  # `kernels/quant.h`: kMaxDirectRows
+MAX_DIRECT_ROWS = 8  # `kernels/quant.h`: kMaxDirectRows
 # (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
 SHAPES = ((7, 96), (33, 576), (65, 1536))
 DTYPES = (torch.float32, torch.bfloat16)

@@ -7,7 +7,7 @@
   while reading half the bytes.
 - `vllm_aot::linear_int8|q8_0|q4_0|q4_1(x, *stored)` (`linear_<format>.cpp`, sharing `quant.h`):
   `x @ W.T` straight from a quantised weight's stored tensors (the layouts of `models/formats.py`),
-  x float32 or bfloat16, the result in x's dtype. Up to 4 rows (decode at small batch) the weights
+  x float32 or bfloat16, the result in x's dtype. Up to 8 rows (decode at small batch) the weights
   stream once, front to back, each block widened in registers for all the rows: float32
   arithmetic on the activations as they are (`quant_avx2.h`, `quant_avx512.h`), or, for bfloat16
   activations of the 4-bit formats on AVX512-VNNI, the codes as bytes times the activations as
