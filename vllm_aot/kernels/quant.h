@@ -9,9 +9,9 @@
 // bytes, which bound a decode step, are the same.)
 //
 // - m <= kMaxDirectRows (decode at small batch): weight-row tiles in parallel, each block of 32
-//   weights widened from its codes in registers and used by up to 4 activation rows at once
-//   (more 4 rows at a time, the tile's codes staying in L1), so the weights stream from memory
-//   once, front to back (the tiles ahead prefetched). A row's
+//   weights widened from its codes in registers and used by a register block of activation rows
+//   at once (`row_blocks`: more rows take further blocks while the tile's codes stay in L1), so
+//   the weights stream from memory once, front to back (the tiles ahead prefetched). A row's
 //   result does not depend on the other rows (the same operations in the same order whatever m).
 //   float32 on AVX2 (`quant_avx2.h`) and AVX-512 (`quant_avx512.h`); bfloat16 activations of the
 //   nibble formats as 15-bit fixed point per block, multiplied by the codes as bytes with
@@ -35,6 +35,7 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -159,6 +160,21 @@ const float* block_sums(const Weights& w, const float* x, int64_t m, int64_t& st
 
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }
+
+// `block(rows, b)` for the register block of activation rows b .. b + rows, rows a
+// std::integral_constant of at most N (the count left, n, when fewer).
+template <int N, class Block>
+void row_block(int64_t n, int64_t b, const Block& block) {
+  if constexpr (N > 1)
+    if (n < N) return row_block<N - 1>(n, b, block);
+  block(std::integral_constant<int, N>{}, b);
+}
+
+// Activation rows 0 .. m in register blocks of kRows (the last one smaller): `block(rows, b)`.
+template <int kRows, class Block>
+void row_blocks(int64_t m, const Block& block) {
+  for (int64_t b = 0; b < m; b += kRows) row_block<kRows>(std::min<int64_t>(m - b, kRows), b, block);
+}
 
 // The kernels' driver: tiles of kTile weight rows in parallel (the last part tile row by row),
 // `run(tile, row0, out)` with `tile` a std::integral_constant of the tile's rows and `out` the

@@ -109,14 +109,10 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const float* x, con
 template <class F, int R, class Out>
 VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const float* x, int64_t m,
                         const float* xsum, int64_t lds, Out* out) {
-  for (int64_t b = 0; b < m; b += 2) {
-    const float* sb = xsum ? xsum + b * lds : nullptr;
-    if (b + 2 <= m) {
-      tile_rows<F, 2, R>(w, row0, x + b * w.k, sb, lds, out + b * w.n);
-    } else {
-      tile_rows<F, 1, R>(w, row0, x + b * w.k, sb, lds, out + b * w.n);
-    }
-  }
+  row_blocks<2>(m, [&](auto block, int64_t b) {
+    tile_rows<F, decltype(block)::value, R>(w, row0, x + b * w.k, xsum ? xsum + b * lds : nullptr,
+                                            lds, out + b * w.n);
+  });
 }
 
 // `MultiplyFn` for format F: up to kMaxDirectRows activation rows.

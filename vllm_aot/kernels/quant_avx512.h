@@ -31,6 +31,14 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// The lane sums of R <= 4 accumulators.
+template <int R>
+VLLM_AOT_AVX512 VLLM_AOT_INLINE __m128 lane_sums(const __m512 (&acc)[R]) {
+  static_assert(R <= 4, "four accumulators at most");
+  const __m512 zero = _mm512_setzero_ps();
+  return reduce4(acc[0], R > 1 ? acc[1] : zero, R > 2 ? acc[2] : zero, R > 3 ? acc[3] : zero);
+}
+
 // Block b of a row as float32 codes: inputs 0-15 in lo, 16-31 in hi (code - kOffset for q4_0).
 template <class F>
 VLLM_AOT_AVX512 VLLM_AOT_INLINE void block_codes(const Weights& w, int64_t row, int64_t b,
@@ -65,13 +73,10 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE __m512 sixteen_halves(const c10::Half* row, int6
 template <class F, int B, int R, class Out>
 VLLM_AOT_AVX512 VLLM_AOT_INLINE void finish(const Weights& w, int64_t row0, const float* x,
                                             __m512 (&acc)[B][R], Out* out) {
-  static_assert(R <= 4, "the sums below take four weight rows");
-  const __m512 zero = _mm512_setzero_ps();
   const int64_t full = w.k / kBlock * kBlock;
   for (int b = 0; b < B; ++b) {
     float sums[4];
-    _mm_storeu_ps(sums, reduce4(acc[b][0], R > 1 ? acc[b][1] : zero, R > 2 ? acc[b][2] : zero,
-                                R > 3 ? acc[b][3] : zero));
+    _mm_storeu_ps(sums, lane_sums<R>(acc[b]));
     for (int r = 0; r < R; ++r) {
       float y = sums[r];
       if constexpr (F::kRowScale) {
@@ -131,21 +136,14 @@ VLLM_AOT_AVX512 void tile_rows(const Weights& w, int64_t row0, const float* x, c
   finish<F>(w, row0, x, acc, out);
 }
 
-// Activation rows 0 .. m against weight rows row0 .. row0 + R, four rows a register block (the
-// tile's codes stay in L1 for the blocks after the first).
+// Activation rows 0 .. m against weight rows row0 .. row0 + R, four rows a register block.
 template <class F, int R, class Out>
 VLLM_AOT_AVX512 void rows(const Weights& w, int64_t row0, const float* x, int64_t m,
                           const float* xsum, int64_t lds, Out* out) {
-  for (int64_t b = 0; b < m; b += 4) {
-    const float *xb = x + b * w.k, *sb = xsum ? xsum + b * lds : nullptr;
-    Out* ob = out + b * w.n;
-    switch (std::min<int64_t>(m - b, 4)) {
-      case 1: tile_rows<F, 1, R>(w, row0, xb, sb, lds, ob); break;
-      case 2: tile_rows<F, 2, R>(w, row0, xb, sb, lds, ob); break;
-      case 3: tile_rows<F, 3, R>(w, row0, xb, sb, lds, ob); break;
-      default: tile_rows<F, 4, R>(w, row0, xb, sb, lds, ob);
-    }
-  }
+  row_blocks<4>(m, [&](auto block, int64_t b) {
+    tile_rows<F, decltype(block)::value, R>(w, row0, x + b * w.k, xsum ? xsum + b * lds : nullptr,
+                                            lds, out + b * w.n);
+  });
 }
 
 // Weight rows row0 .. row0 + rows as bfloat16 [rows, k] (rounded to nearest even).

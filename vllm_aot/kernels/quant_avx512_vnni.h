@@ -20,7 +20,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -32,6 +31,7 @@
 
 namespace vllm_aot::quant::avx512_vnni {
 
+using avx512::lane_sums;
 using avx512::sixteen_halves;
 
 constexpr int kTileRows = 4;     // weight rows per tile
@@ -46,6 +46,12 @@ struct Arranged {
   const float* scales;
   const float* sums;
   int64_t groups, sums_stride;
+
+  // The same from activation row b on.
+  Arranged from(int64_t b) const {
+    return {q + b * groups * 256, scales + b * groups * 16, sums + b * sums_stride, groups,
+            sums_stride};
+  }
 };
 
 // Block b of an activation row: its 32 bfloat16 as 15-bit fixed point into the group's bytes
@@ -97,15 +103,6 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m512 group_scales(__m512 scales, int i) {
   const __m512i lane = _mm512_srli_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
   return _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(4 * i)), scales);
-}
-
-// The lane sums of R <= 4 accumulators.
-template <int R>
-VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m128 lane_sums(const __m512 (&acc)[R]) {
-  static_assert(R <= 4, "four accumulators at most");
-  const __m512 zero = _mm512_setzero_ps();
-  return avx512::reduce4(acc[0], R > 1 ? acc[1] : zero, R > 2 ? acc[2] : zero,
-                         R > 3 ? acc[3] : zero);
 }
 
 // Rows row0 .. row0 + R's minimum and offset terms: the sum over blocks of
@@ -172,22 +169,13 @@ VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arrang
   }
 }
 
-// Activation rows 0 .. m against weight rows row0 .. row0 + R, four rows a register block (the
-// tile's codes stay in L1 for the blocks after the first).
+// Activation rows 0 .. m against weight rows row0 .. row0 + R, four rows a register block.
 template <class F, int R, class Out>
 VLLM_AOT_AVX512_VNNI void rows(const Weights& w, int64_t row0, const Arranged& x, int64_t m,
                                Out* out) {
-  for (int64_t b = 0; b < m; b += 4) {
-    const Arranged xb{x.q + b * x.groups * 256, x.scales + b * x.groups * 16,
-                      x.sums + b * x.sums_stride, x.groups, x.sums_stride};
-    Out* ob = out + b * w.n;
-    switch (std::min<int64_t>(m - b, 4)) {
-      case 1: tile_rows<F, 1, R>(w, row0, xb, ob); break;
-      case 2: tile_rows<F, 2, R>(w, row0, xb, ob); break;
-      case 3: tile_rows<F, 3, R>(w, row0, xb, ob); break;
-      default: tile_rows<F, 4, R>(w, row0, xb, ob);
-    }
-  }
+  row_blocks<4>(m, [&](auto block, int64_t b) {
+    tile_rows<F, decltype(block)::value, R>(w, row0, x.from(b), out + b * w.n);
+  });
 }
 
 // `MultiplyBf16Fn` for a nibble format F: up to kMaxDirectRows activation rows.
