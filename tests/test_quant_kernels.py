@@ -5,9 +5,10 @@ CPU has and on each lower one forced in a child process (`VLLM_AOT_KERNEL_ISA=av
 The tolerance, and why: the float32 kernels multiply the activations as they are with float32
 sums (no int8 activation blocks: `kernels/quant.h`), so up to kMaxDirectRows rows the result is
 the reference's to float32 rounding, `1e-5 * (|x| @ |W|.T)`, and a row's result does not depend
-on the other rows. With AVX512-VNNI, bfloat16 activations of the nibble formats are 15-bit fixed
-point per block of 32 (`kernels/quant_avx512_vnni.h`): each moves by at most 2^-15 of its
-block's largest |x|, which adds `2^-15 * (blockmax|x| @ |W|.T)`. Beyond kMaxDirectRows the
+on the other rows. bfloat16 activations become fixed point per block of 32: of the nibble formats
+with AVX512-VNNI (15 bits, `kernels/quant_avx512_vnni.h`), of every block format on AVX2 (16
+bits, `kernels/quant_avx2_fixed.h`). Each x moves by at most 2^-15 of its block's largest |x|,
+which adds `2^-15 * (blockmax|x| @ |W|.T)`. Beyond kMaxDirectRows the
 weights are dequantised for aten's GEMM: to float32, or to bfloat16 for bfloat16 activations
 where the CPU multiplies bfloat16 natively (each weight moves by at most 2^-9 of itself:
 `2^-8 * (|x| @ |W|.T)` covers it). Outputs in bfloat16 add their own rounding
@@ -34,10 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMATS = tuple(QUANTIZED_KERNELS)
 ROWS = (1, 2, 3, 4, 5, 8, 17, 32, 33, 300)
 MAX_DIRECT_ROWS = 8  # `kernels/quant.h`: kMaxDirectRows
+MAX_DIRECT_ROWS_AVX2_FIXED = 32  # kMaxDirectRowsAvx2Fixed
 # (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
 SHAPES = ((7, 96), (33, 576), (65, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
-NIBBLE_FORMATS = ("q4_0", "q4_1")  # `kernels/quant_avx512_vnni.h`
+# The formats whose bfloat16 activations become fixed point, per instruction set (`Format` in
+# `kernels/quant.h`: multiply_bf16).
+FIXED_POINT = {"avx2": ("q8_0", "q4_0", "q4_1"), "avx512": (), "avx512_vnni": ("q4_0", "q4_1")}
 
 
 def op(fmt: str):
@@ -49,7 +53,9 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(out_features, in_features, generator=g))
     weight = WEIGHT_FORMATS[fmt].dequantize(*stored)
-    fixed_point = fmt in NIBBLE_FORMATS and torch.ops.vllm_aot.quant_isa() == "avx512_vnni"
+    isa = torch.ops.vllm_aot.quant_isa()
+    fixed_point = fmt in FIXED_POINT[isa] and dtype == torch.bfloat16
+    direct_rows = MAX_DIRECT_ROWS_AVX2_FIXED if fixed_point and isa == "avx2" else MAX_DIRECT_ROWS
     bf16_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
     for rows in ROWS:
         # Inputs of different sizes, so blocks have different scales.
@@ -59,16 +65,16 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
         assert got.dtype == dtype and got.shape == (rows, out_features), (fmt, rows)
         want = F.linear(x.float(), weight)
         magnitude = x.float().abs() @ weight.abs().T
-        gemm_bf16 = rows > MAX_DIRECT_ROWS and dtype == torch.bfloat16
+        gemm_bf16 = rows > direct_rows and dtype == torch.bfloat16
         rounding = (2.0**-8 if gemm_bf16 else 1e-5) * magnitude
-        if fixed_point and rows <= MAX_DIRECT_ROWS and dtype == torch.bfloat16:
+        if fixed_point and rows <= direct_rows:
             # each x moved by up to 2^-15 of its block's largest |x|
             largest = x.float().abs().reshape(rows, -1, 32).amax(-1, keepdim=True)
             rounding += 2.0**-15 * largest.expand(-1, -1, 32).reshape(rows, -1) @ weight.abs().T
         tolerance = rounding + bf16_out * want.abs()
         error = (got.float() - want).abs()
         assert (error <= tolerance).all(), f"{fmt} {rows}x{in_features}: {error - tolerance}"
-        if rows <= MAX_DIRECT_ROWS:
+        if rows <= direct_rows:
             alone = op(fmt)(x[rows // 2 :][:1], *stored)
             assert torch.equal(alone[0], got[rows // 2]), f"{fmt}: row depends on the batch"
 
@@ -111,7 +117,10 @@ def _isa_levels() -> list[str]:
 def test_each_lower_instruction_set_matches_too(cap):
     """The same checks in a child process capped at a lower instruction set (AVX2 is the floor
     every CPU with our kernels runs; AVX-512 without BF16 is a Skylake's or a Zen 3's lot)."""
-    if cap not in _isa_levels()[:-1]:
+    levels = _isa_levels()
+    if cap not in levels:
+        pytest.skip(f"this CPU has no {cap}")
+    if cap == levels[-1]:
         pytest.skip(f"{cap} is this CPU's best, checked in this process")
     script = (
         "import torch; from vllm_aot import kernels; kernels.load()\n"

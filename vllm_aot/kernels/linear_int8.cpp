@@ -19,7 +19,7 @@ struct Int8 {
 };
 
 const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>},
-                  nullptr,
+                  {nullptr, nullptr, nullptr},
                   avx2::dequantize<Int8>,
                   avx512::dequantize_bf16<Int8>};
 

@@ -5,6 +5,7 @@
 
 #include "quant.h"
 #include "quant_avx2.h"
+#include "quant_avx2_fixed.h"
 #include "quant_avx512.h"
 #include "quant_avx512_vnni.h"
 
@@ -19,7 +20,7 @@ struct Q4_0 {
 };
 
 const Format kQ4_0{{avx2::multiply<Q4_0>, avx512::multiply<Q4_0>},
-                  avx512_vnni::multiply<Q4_0>,
+                  {avx2_fixed::multiply<Q4_0>, nullptr, avx512_vnni::multiply<Q4_0>},
                   avx2::dequantize<Q4_0>,
                   avx512::dequantize_bf16<Q4_0>};
 

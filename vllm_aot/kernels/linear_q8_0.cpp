@@ -4,6 +4,7 @@
 
 #include "quant.h"
 #include "quant_avx2.h"
+#include "quant_avx2_fixed.h"
 #include "quant_avx512.h"
 
 namespace {
@@ -17,7 +18,7 @@ struct Q8_0 {
 };
 
 const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>},
-                  nullptr,
+                  {avx2_fixed::multiply<Q8_0>, nullptr, nullptr},
                   avx2::dequantize<Q8_0>,
                   avx512::dequantize_bf16<Q8_0>};
 

@@ -93,12 +93,16 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format) {
   if (m == 0 || w.n == 0) return out;
   at::Tensor out2 = out.view({m, w.n});
   const Isa chosen = isa();
-  if (m > kMaxDirectRows) {
+  const MultiplyBf16Fn bf16 =
+      x2.scalar_type() == at::kBFloat16 ? format.multiply_bf16[static_cast<int>(chosen)] : nullptr;
+  const int64_t direct =
+      bf16 != nullptr && chosen == Isa::kAvx2 ? kMaxDirectRowsAvx2Fixed : kMaxDirectRows;
+  if (m > direct) {
     dequantized_linear(x2, w, format, chosen, out2);
     return out;
   }
-  if (chosen == Isa::kAvx512Vnni && format.multiply_bf16 && x2.scalar_type() == at::kBFloat16) {
-    format.multiply_bf16(w, x2.data_ptr<c10::BFloat16>(), m, out2);
+  if (bf16 != nullptr) {
+    bf16(w, x2.data_ptr<c10::BFloat16>(), m, out2);
     return out;
   }
   const at::Tensor xf = x2.to(at::kFloat).contiguous();

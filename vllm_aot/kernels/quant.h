@@ -1,22 +1,25 @@
 // What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp) share: the stored weight
 // as one view, the instruction set chosen at run time, and the op's driver, which picks a path by
-// the number of activation rows m. The activations are never quantised: the weights are
-// dequantised (w = code * d + m per block of 32) and multiplied by the activations as they are,
-// float32 or bfloat16, with float32 sums, so a program computes what the checkpoint's weights
-// say, to float32 rounding, as the pure-torch reference does. (llama.cpp quantises the
-// activations to int8 blocks for integer dot products; on SmolLM2 that moved the top-5 logits by
-// up to 6 % of their range and changed greedy text on 5 of the 8 validate prompts. The weights'
-// bytes, which bound a decode step, are the same.)
+// the number of activation rows m. The activations are never rounded to int8: the weights are
+// dequantised (w = code * d + m per block of 32) and multiplied by the activations, float32 or
+// bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to
+// float32 rounding, as the pure-torch reference does. (llama.cpp quantises the activations to
+// int8 blocks for integer dot products; on SmolLM2 that moved the top-5 logits by up to 6 % of
+// their range and changed greedy text on 5 of the 8 validate prompts. The weights' bytes, which
+// bound a decode step, are the same.) bfloat16 activations, 8 significant bits, may become 15- or
+// 16-bit fixed point per block for integer products: that moves each by at most 2^-15 of its
+// block's largest, 64x below the bfloat16 rounding it already carries.
 //
-// - m <= kMaxDirectRows (decode at small batch): weight-row tiles in parallel, each block of 32
+// - m <= kMaxDirectRows (decode at small batch; kMaxDirectRowsAvx2Fixed on that path): weight-row tiles in parallel, each block of 32
 //   weights widened from its codes in registers and used by a register block of activation rows
 //   at once (`row_blocks`: more rows take further blocks while the tile's codes stay in L1), so
 //   the weights stream from memory once, front to back (the tiles ahead prefetched). A row's
 //   result does not depend on the other rows (the same operations in the same order whatever m).
-//   float32 on AVX2 (`quant_avx2.h`) and AVX-512 (`quant_avx512.h`); bfloat16 activations of the
-//   nibble formats as 15-bit fixed point per block, multiplied by the codes as bytes with
-//   AVX512-VNNI (`quant_avx512_vnni.h`: the error that adds is far below the activations' own
-//   bfloat16 rounding); other bfloat16 activations are widened to float32.
+//   float32 on AVX2 (`quant_avx2.h`) and AVX-512 (`quant_avx512.h`). bfloat16 activations: of
+//   the block formats on AVX2 as 16-bit fixed point, codes widened to int16, `vpmaddwd`
+//   (`quant_avx2_fixed.h`); of the nibble formats with AVX512-VNNI as 15-bit fixed point, codes
+//   as bytes, `vpdpbusd` (`quant_avx512_vnni.h`); other bfloat16 activations are widened to
+//   float32.
 // - larger m (larger decode batches, prefill): chunks of weight rows are dequantised (float32,
 //   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM
 //   (`quant.cpp`).
@@ -58,6 +61,11 @@ constexpr int64_t kBlock = 32;          // inputs per block (GGUF's)
 // AMX for aten) take 25-28 ms direct against 32-42 ms through the GEMM at 8 rows, 49 against
 // 30-32 at 16, 94 against 27 at 32.
 constexpr int64_t kMaxDirectRows = 8;
+// The AVX2 fixed-point kernel's own limit (`quant_avx2_fixed.h`): there aten's GEMM is float32,
+// and on a Zen 3 the direct kernel stays ahead of dequantise-and-GEMM up to 32 rows (a q4_1
+// [3072, 576] at 16 rows 0.69 against 0.95 ms, at 32 rows 1.36 against 1.36; [576, 1536] at 32
+// rows 0.53 against 0.61 ms; q8_0 0.77-0.85x).
+constexpr int64_t kMaxDirectRowsAvx2Fixed = 32;
 
 // The kernels' instruction set: AVX2 + FMA (the floor), AVX-512, AVX-512 with VNNI's byte dot
 // products (`quant_avx512_vnni.h`).
@@ -79,7 +87,7 @@ struct Weights {
 // x [m, k] (float32, contiguous) times every weight row into out [m, n] (float32 or bfloat16),
 // in parallel over weight-row tiles.
 using MultiplyFn = void (*)(const Weights& w, const float* x, int64_t m, at::Tensor& out);
-// The same for bfloat16 activations (kAvx512Vnni).
+// The same for bfloat16 activations (`quant_avx2_fixed.h`, `quant_avx512_vnni.h`).
 using MultiplyBf16Fn = void (*)(const Weights& w, const c10::BFloat16* x, int64_t m,
                                 at::Tensor& out);
 // Weight rows row0 .. row0 + rows dequantised into out [rows, k] (float32 or bfloat16).
@@ -87,13 +95,13 @@ using DequantizeFn = void (*)(const Weights& w, int64_t row0, int64_t rows, floa
 using DequantizeBf16Fn = void (*)(const Weights& w, int64_t row0, int64_t rows,
                                   c10::BFloat16* out);
 
-// A format's entry points: its float32 kernel for AVX2 and AVX-512, its bfloat16 one (null where
-// the format has none: then bfloat16 activations are widened for the float32 kernel), and its
-// dequantisation to float32 (AVX2) and to bfloat16 (for aten's bfloat16 GEMM where the CPU
-// multiplies bfloat16 natively).
+// A format's entry points: its float32 kernel for AVX2 and AVX-512; its bfloat16 ones per
+// instruction set (`Isa`; null where the format has none: then bfloat16 activations are widened
+// for the float32 kernel); its dequantisation to float32 (AVX2) and to bfloat16 (for aten's
+// bfloat16 GEMM where the CPU multiplies bfloat16 natively).
 struct Format {
   MultiplyFn multiply[2];
-  MultiplyBf16Fn multiply_bf16;
+  MultiplyBf16Fn multiply_bf16[3];
   DequantizeFn dequantize;
   DequantizeBf16Fn dequantize_bf16;
 };

@@ -1,0 +1,230 @@
+// The block formats (q8_0, q4_0, q4_1) for bfloat16 activations on AVX2 (`quant.h`). On a Zen 3
+// the float32 kernel (`quant_avx2.h`) spends ~10 cycles a block widening codes to float32 and
+// reads a decode step's weights at a fifth of the memory bandwidth. Here the codes widen only to
+// 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit fixed point,
+// summed in int32 (~3 cycles a block and activation row):
+//
+// - the activations are bfloat16 (8 significant bits) and become 16-bit fixed point per block of
+//   32: x = s * q with s = the block's largest |x| / 32767. Each x moves by at most s / 2 = 2^-16
+//   of its block's largest, far below the bfloat16 rounding it came with (2^-9 of itself), so the
+//   sums are the bfloat16 program's to float32-like precision (the tests' bound:
+//   `tests/test_quant_kernels.py`). A call converts its rows once; every weight tile reads them.
+// - a block's codes are 32 int16 in two registers: inputs 0-15 and 16-31 (a nibble format's low
+//   and high nibbles of its 16 bytes, or q8_0's two halves), so the activations stay in their
+//   own order. Two `vpmaddwd` and an add give eight int32 partial sums, which times s * d (d the
+//   block's scale) add up in float32.
+// - q4_1's minimums and q4_0's offset, (m - kOffset * d) * s * sum(q) per block, join the same
+//   sums eight blocks at a time.
+// - a tile of 4 weight rows widens its scales (and minimums) once per chunk of 64 blocks into
+//   float32 on the stack, so the inner loop makes no call (a call would keep the sums in memory)
+//   and reads the codes ahead one cache line a step.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "quant.h"
+
+namespace vllm_aot::quant::avx2_fixed {
+
+constexpr int kTileRows = 4;      // weight rows per tile
+constexpr int kRowBlock = 2;      // activation rows per register block
+constexpr float kLevels = 32767;  // |q| <= 2^15 - 1
+
+// One call's activations, in buffers the calling thread reuses: per row, its whole blocks as
+// int16 fixed point (`blocks` * 32); per row and block, its scale s spread over 8 lanes; per row
+// and block, s * sum(q) (rows of `sums_stride` floats, zeros after the last block).
+struct Fixed {
+  const int16_t* q;
+  const float* scales;
+  const float* sums;
+  int64_t blocks, sums_stride;
+
+  // The same from activation row b on.
+  Fixed from(int64_t b) const {
+    return {q + b * blocks * kBlock, scales + b * blocks * 8, sums + b * sums_stride, blocks,
+            sums_stride};
+  }
+};
+
+VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 widen8(const c10::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+VLLM_AOT_AVX2 VLLM_AOT_INLINE float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+VLLM_AOT_AVX2 VLLM_AOT_INLINE int32_t sum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// One block of 32 bfloat16 as 16-bit fixed point into dst; returns its scale s, and s * sum(q)
+// in `sum`.
+VLLM_AOT_AVX2 VLLM_AOT_INLINE float fixed_point(const c10::BFloat16* x, int16_t* dst, float& sum) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 largest = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = widen8(x + 8 * i);
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
+  }
+  const float top = max8(largest);
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? kLevels / top : 0.f);
+  __m256i q[4];  // rounded to nearest even, as nearbyint
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  for (int i = 0; i < 4; i += 2)  // packs works per 128-bit lane: put the quarters back in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * i),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[i], q[i + 1]), 0xD8));
+  const float s = top / kLevels;
+  sum = s * static_cast<float>(
+                sum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
+  return s;
+}
+
+VLLM_AOT_AVX2 inline Fixed to_fixed(const c10::BFloat16* x, int64_t m, int64_t k) {
+  thread_local std::vector<int16_t> qs;
+  thread_local std::vector<float> scales, sums;
+  const int64_t blocks = k / kBlock, stride = (blocks + 7) / 8 * 8;
+  qs.resize(m * blocks * kBlock);
+  scales.resize(m * blocks * 8);
+  sums.assign(m * stride, 0.f);
+  for (int64_t b = 0; b < m; ++b)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t i = b * blocks + blk;
+      const float s = fixed_point(x + b * k + blk * kBlock, qs.data() + i * kBlock,
+                                  sums[b * stride + blk]);
+      _mm256_storeu_ps(scales.data() + i * 8, _mm256_set1_ps(s));
+    }
+  return {qs.data(), scales.data(), sums.data(), blocks, stride};
+}
+
+// Block b's codes of a row as int16: inputs 0-15 in lo, 16-31 in hi (code - kOffset is left to
+// the offset terms).
+template <class F>
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void codes16(const uint8_t* row, int64_t b, __m256i& lo,
+                                           __m256i& hi) {
+  if constexpr (F::kNibbles) {
+    const __m256i v =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(v, 4);
+  } else {
+    const auto* p = reinterpret_cast<const __m128i*>(row + 32 * b);
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
+  }
+}
+
+constexpr int64_t kChunk = 64;  // blocks whose scales a tile widens at a time
+
+// n (<= kChunk) fp16 of a row's per-block plane as float32, zeros after them up to a multiple
+// of 8. No library call: a call would make the kernel keep its sums in memory.
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void widen_halves(const c10::Half* p, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(p[i].x);
+  for (; i % 8 != 0; ++i) out[i] = 0.f;
+}
+
+// The sums of R (1 or 4) accumulators' lanes into y.
+template <int R>
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void lane_sums(const __m256 (&acc)[R], float* y) {
+  static_assert(R == 1 || R == 4, "a tile of 4 rows, or one left over");
+  if constexpr (R == 4) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  } else {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    y[0] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+}
+
+// Activation rows 0 .. B against weight rows row0 .. row0 + R. Per chunk of blocks the rows'
+// scales are widened once; per 8 blocks the minimum and offset terms, (m - kOffset * d) * s *
+// sum(q), join the sums' lanes.
+template <class F, int B, int R, class Out>
+VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out* out) {
+  constexpr bool kShift = F::kOffset != 0 || F::kHasMin;
+  constexpr int64_t kBlockBytes = F::kNibbles ? 16 : 32;
+  __m256 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
+  if constexpr (B == 1) prefetch_rows<R>(w, row0);
+  alignas(32) float d[R][kChunk], shift[R][kChunk];
+  for (int64_t c0 = 0; c0 < x.blocks; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, x.blocks - c0);
+    for (int r = 0; r < R; ++r) {
+      widen_halves(w.scale + (row0 + r) * w.blocks + c0, n, d[r]);
+      if constexpr (kShift) {
+        if constexpr (F::kHasMin) widen_halves(w.min + (row0 + r) * w.blocks + c0, n, shift[r]);
+        for (int64_t i = 0; i < n; i += 8) {
+          __m256 v = F::kHasMin ? _mm256_load_ps(shift[r] + i) : _mm256_setzero_ps();
+          if constexpr (F::kOffset != 0)
+            v = _mm256_fnmadd_ps(_mm256_load_ps(d[r] + i),
+                                 _mm256_set1_ps(static_cast<float>(F::kOffset)), v);
+          for (int b = 0; b < B; ++b)
+            acc[b][r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x.sums + b * x.sums_stride + c0 + i),
+                                        acc[b][r]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t blk = c0 + i;
+      for (int r = 0; r < R; ++r) {
+        __m256i lo, hi;
+        if constexpr (B == 1)  // one line a step, kPrefetchRows rows ahead (never faults)
+          if (blk % (64 / kBlockBytes) == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(w.q + (row0 + r + kPrefetchRows) * w.q_stride +
+                                                       blk * kBlockBytes),
+                         _MM_HINT_T0);
+        codes16<F>(w.q + (row0 + r) * w.q_stride, blk, lo, hi);
+        const __m256 scale = _mm256_broadcast_ss(&d[r][i]);
+        for (int b = 0; b < B; ++b) {
+          const auto* q = reinterpret_cast<const __m256i*>(x.q + (b * x.blocks + blk) * kBlock);
+          const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(q)),
+                                             _mm256_madd_epi16(hi, _mm256_loadu_si256(q + 1)));
+          const __m256 ds =
+              _mm256_mul_ps(scale, _mm256_loadu_ps(x.scales + (b * x.blocks + blk) * 8));
+          acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), ds, acc[b][r]);
+        }
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    float y[R];
+    lane_sums<R>(acc[b], y);
+    for (int r = 0; r < R; ++r) store(y[r], out + b * w.n + row0 + r);
+  }
+}
+
+// Activation rows 0 .. m against weight rows row0 .. row0 + R, kRowBlock rows a register block.
+template <class F, int R, class Out>
+VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const Fixed& x, int64_t m, Out* out) {
+  row_blocks<kRowBlock>(m, [&](auto block, int64_t b) {
+    tile_rows<F, decltype(block)::value, R>(w, row0, x.from(b), out + b * w.n);
+  });
+}
+
+// `MultiplyBf16Fn` for a block format F: up to kMaxDirectRowsAvx2Fixed activation rows.
+template <class F>
+void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& out) {
+  static_assert(F::kBlockScale, "the block formats (q8_0, q4_0, q4_1)");
+  const Fixed fixed = to_fixed(x, m, w.k);
+  parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
+    rows<F, decltype(tile)::value>(w, row0, fixed, m, o);
+  });
+}
+
+}  // namespace vllm_aot::quant::avx2_fixed
