@@ -7,11 +7,13 @@
   while reading half the bytes.
 - `vllm_aot::linear_int8|q8_0|q4_0|q4_1(x, *stored)` (`linear_<format>.cpp`, sharing `quant.h`):
   `x @ W.T` straight from a quantised weight's stored tensors (the layouts of `models/formats.py`),
-  x float32 or bfloat16, the result in x's dtype. Up to 8 rows (decode at small batch) the weights
-  stream once, front to back, each block widened in registers for all the rows: float32
-  arithmetic on the activations as they are (`quant_avx2.h`, `quant_avx512.h`), or, for bfloat16
-  activations of the 4-bit formats on AVX512-VNNI, the codes as bytes times the activations as
-  15-bit fixed point per block (`quant_avx512_vnni.h`). More rows (prefill) dequantise the
+  x float32 or bfloat16, the result in x's dtype. Up to 8 rows (decode at small batch; 32 on the
+  AVX2 fixed-point path) the weights stream once, front to back, each block widened in registers
+  for all the rows: float32 arithmetic on the activations as they are (`quant_avx2.h`,
+  `quant_avx512.h`); for bfloat16 activations of the block formats on AVX2, the codes as int16
+  times the activations as 16-bit fixed point per block (`quant_avx2_fixed.h`), and of the 4-bit
+  formats on AVX512-VNNI, the codes as bytes times 15-bit fixed point (`quant_avx512_vnni.h`).
+  More rows (prefill) dequantise the
   weights in chunks for aten's GEMM (`quant.cpp`). A row's result never depends on the other
   rows (`quant.h`).
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,

@@ -27,9 +27,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2.h"
 #include "quant.h"
+#include "quant_avx2.h"
 
 namespace vllm_aot::quant::avx2_fixed {
+
+using vllm_aot::load8;
 
 constexpr int kTileRows = 4;      // weight rows per tile
 constexpr int kRowBlock = 2;      // activation rows per register block
@@ -51,11 +55,6 @@ struct Fixed {
   }
 };
 
-VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 widen8(const c10::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
 VLLM_AOT_AVX2 VLLM_AOT_INLINE float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -75,7 +74,7 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE float fixed_point(const c10::BFloat16* x, int16_t*
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 largest = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
-    v[i] = widen8(x + 8 * i);
+    v[i] = load8(x + 8 * i);
     largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
   }
   const float top = max8(largest);
@@ -137,25 +136,12 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void widen_halves(const c10::Half* p, int64_t n, f
   for (; i % 8 != 0; ++i) out[i] = 0.f;
 }
 
-// The sums of R (1 or 4) accumulators' lanes into y.
-template <int R>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void lane_sums(const __m256 (&acc)[R], float* y) {
-  static_assert(R == 1 || R == 4, "a tile of 4 rows, or one left over");
-  if constexpr (R == 4) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
-  } else {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    y[0] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  }
-}
-
 // Activation rows 0 .. B against weight rows row0 .. row0 + R. Per chunk of blocks the rows'
 // scales are widened once; per 8 blocks the minimum and offset terms, (m - kOffset * d) * s *
 // sum(q), join the sums' lanes.
 template <class F, int B, int R, class Out>
 VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out* out) {
+  static_assert(R == 1 || R == kTileRows, "a tile of 4 rows, or one left over");
   constexpr bool kShift = F::kOffset != 0 || F::kHasMin;
   constexpr int64_t kBlockBytes = F::kNibbles ? 16 : 32;
   __m256 acc[B][R];
@@ -202,9 +188,14 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
       }
     }
   }
+  const __m256 zero = _mm256_setzero_ps();
   for (int b = 0; b < B; ++b) {
-    float y[R];
-    lane_sums<R>(acc[b], y);
+    float y[4];
+    if constexpr (R == 4) {
+      _mm_storeu_ps(y, avx2::reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]));
+    } else {
+      _mm_storeu_ps(y, avx2::reduce4(acc[b][0], zero, zero, zero));
+    }
     for (int r = 0; r < R; ++r) store(y[r], out + b * w.n + row0 + r);
   }
 }
