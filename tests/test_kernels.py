@@ -46,12 +46,12 @@ def test_linear_keeps_leading_dimensions_and_adds_bias():
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
 
 
-def decode_attention_case(dtype, pool_dtype, scales=(1.0, 1.0)):
+def decode_attention_case(dtype, pool_dtype, scales=(1.0, 1.0), heads=9, kv_heads=3, dim=64):
     """Rows with no context (padding rows), part of a block, exactly a block, several blocks and
     the whole bucket; block tables in any order, with dummy entries past each row's length.
     Returns (q, k_new, v_new, cache, block tables, context mask)."""
     g = torch.Generator().manual_seed(0)
-    rows, heads, kv_heads, dim, block, blocks, width = 6, 9, 3, 64, 16, 40, 8
+    rows, block, blocks, width = 6, 16, 40, 8
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
     k_new, v_new = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
     k_scale, v_scale = (torch.tensor(s) for s in scales)
@@ -66,12 +66,19 @@ def decode_attention_case(dtype, pool_dtype, scales=(1.0, 1.0)):
     return q, k_new, v_new, PagedKV(k_pool, v_pool, k_scale, v_scale), tables, mask
 
 
+# (query heads, KV heads, head size): SmolLM2's, the other groups the kernel has a register path
+# for (1, 2, 4 query heads a KV head; heads of 128), and a shape it has none for.
+ATTENTION_SHAPES = [(9, 3, 64), (4, 4, 64), (8, 4, 128), (8, 2, 64), (8, 1, 32)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_reference(dtype):
-    case = decode_attention_case(dtype, dtype)
+def test_decode_attention_matches_reference(dtype, shape):
+    heads, kv_heads, dim = shape
+    case = decode_attention_case(dtype, dtype, heads=heads, kv_heads=kv_heads, dim=dim)
     want = decode_attention(*case)
     got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(*case)
-    assert got.dtype == dtype and got.shape == want.shape == (6, 9 * 64)
+    assert got.dtype == dtype and got.shape == want.shape == (6, heads * dim)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 

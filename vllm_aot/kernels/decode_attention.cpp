@@ -2,7 +2,9 @@
 //
 // Reads only the row's real context (context_lens[r] tokens through its block table), so a
 // static context bucket costs a short sequence nothing but the size of its block-table row.
-// Grouped-query: the `group` query heads of a KV head share each key and value read. Scores,
+// Grouped-query: the `group` query heads of a KV head share each key and value read, widened to
+// float32 once for all of them (up to 4 query heads a KV head and heads of 64 or 128 in
+// registers; other shapes one query head at a time). Scores,
 // softmax and the weighted sum are float32 whatever the cache dtype: the model's (float32 or
 // bfloat16), or fp8 (e4m3fn, e5m2: elements widened through a table, `fp8.h`, and the layer's
 // per-tensor scales folded into the query for keys and into the sum for values).
@@ -39,47 +41,146 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return total;
 }
 
-// out[0:d] = v_scale * (sum over t < n of p[t] * value(t)[0:d]) + p[n] * own[0:d]: the cached
-// values (stored as value / v_scale), then the row's own, in D = d / 8 registers. A scale of 1
-// multiplies nothing, so pools of the model's dtype sum exactly as one loop over n + 1 values.
-template <int D, typename P, typename T, typename Value>
-inline void weighted_sum(const float* p, int64_t n, Value value, float v_scale, const T* own,
-                         float* out) {
-  __m256 acc[D];
-  for (int j = 0; j < D; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 w = _mm256_set1_ps(p[t]);
-    const P* v = value(t);
-    for (int j = 0; j < D; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
+// A row's cached positions of one KV head, walked block by block through its block table.
+template <typename P>
+struct Cached {
+  const P* pool;  // the pool at this KV head's first element
+  const int64_t* table;
+  int64_t len, block_size, token_stride;
+
+  // f(t, the element at position t) for t < len, in order.
+  template <class F>
+  inline void each(const F& f) const {
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+      const P* base = pool + table[b] * block_size * token_stride;
+      const int64_t n = std::min(block_size, len - t0);
+      for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j * token_stride);
+    }
   }
-  if (v_scale != 1.f)
-    for (int j = 0; j < D; ++j) acc[j] = _mm256_mul_ps(acc[j], _mm256_set1_ps(v_scale));
-  const __m256 w = _mm256_set1_ps(p[n]);
-  for (int j = 0; j < D; ++j) acc[j] = _mm256_fmadd_ps(w, load8(own + 8 * j), acc[j]);
-  for (int j = 0; j < D; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+};
+
+// scores[g * stride + t] = q[g] . key(t) for the G query heads of a KV head and every cached
+// position, d = 8 * D: each key widened once for all G heads (the sums in dot's order).
+template <int G, int D, typename P>
+void key_scores(const float* q, const Cached<P>& keys, float* scores, int64_t stride) {
+  keys.each([&](int64_t t, const P* key) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int c = 0; c < D; ++c) {
+      const __m256 k = load8(key + 8 * c);
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * 8 * D + 8 * c), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * stride + t] = sum8(acc[g]);
+  });
 }
 
-// The same for any d: in registers for the common head sizes, a plain loop otherwise.
-template <typename P, typename T, typename Value>
-inline void weighted_sum_any(const float* p, int64_t n, Value value, float v_scale, const T* own,
-                             int64_t d, float* out) {
-  switch (d) {
-    case 64: return weighted_sum<8, P>(p, n, value, v_scale, own, out);
-    case 128: return weighted_sum<16, P>(p, n, value, v_scale, own, out);
-    default:
-      std::fill(out, out + d, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const P* v = value(t);
-        for (int64_t i = 0; i < d; ++i) out[i] += p[t] * static_cast<float>(v[i]);
+// out[g * d : (g + 1) * d] = v_scale * (sum over t < len of p[g][t] * value(t)) + p[g][len] *
+// own, p[g] = probs + g * stride: each value widened once for all G heads, a piece of kPiece
+// registers of it at a time so the G * kPiece sums stay in registers (a scale of 1 multiplies
+// nothing: pools of the model's dtype sum as one loop over len + 1 values).
+template <int G, int D, typename P, typename T>
+void weighted_values(const float* probs, int64_t stride, const Cached<P>& values, float v_scale,
+                     const T* own, float* out) {
+  constexpr int kPiece = G == 1 ? 8 : G <= 3 ? 4 : 2;
+  static_assert(D % kPiece == 0, "head size in pieces");
+  const int64_t len = values.len;
+  for (int c0 = 0; c0 < D; c0 += kPiece) {
+    __m256 acc[G][kPiece];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kPiece; ++c) acc[g][c] = _mm256_setzero_ps();
+    values.each([&](int64_t t, const P* v) {
+      __m256 w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(probs[g * stride + t]);
+      for (int c = 0; c < kPiece; ++c) {
+        const __m256 x = load8(v + 8 * (c0 + c));
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], x, acc[g][c]);
       }
-      if (v_scale != 1.f)
-        for (int64_t i = 0; i < d; ++i) out[i] *= v_scale;
-      for (int64_t i = 0; i < d; ++i) out[i] += p[n] * static_cast<float>(own[i]);
+    });
+    for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(probs[g * stride + len]);
+      for (int c = 0; c < kPiece; ++c) {
+        if (v_scale != 1.f) acc[g][c] = _mm256_mul_ps(acc[g][c], _mm256_set1_ps(v_scale));
+        acc[g][c] = _mm256_fmadd_ps(w, load8(own + 8 * (c0 + c)), acc[g][c]);
+        _mm256_storeu_ps(out + g * 8 * D + 8 * (c0 + c), acc[g][c]);
+      }
+    }
+  }
+}
+
+// The same for any group and head size, one query head at a time.
+template <typename P>
+void key_scores_any(const float* q, const Cached<P>& keys, float* scores, int64_t stride,
+                    int64_t group, int64_t d) {
+  keys.each([&](int64_t t, const P* key) {
+    for (int64_t g = 0; g < group; ++g) scores[g * stride + t] = dot(q + g * d, key, d);
+  });
+}
+
+template <typename P, typename T>
+void weighted_values_any(const float* probs, int64_t stride, const Cached<P>& values,
+                         float v_scale, const T* own, float* out, int64_t group, int64_t d) {
+  std::fill(out, out + group * d, 0.f);
+  values.each([&](int64_t t, const P* v) {
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t i = 0; i < d; ++i) out[g * d + i] += probs[g * stride + t] * static_cast<float>(v[i]);
+  });
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) {
+      if (v_scale != 1.f) out[g * d + i] *= v_scale;
+      out[g * d + i] += probs[g * stride + values.len] * static_cast<float>(own[i]);
+    }
+}
+
+// One KV head's group of query heads over its cached keys: the scores and the weighted values,
+// by the fast path for this (group, head size) when there is one.
+template <typename P, typename T>
+struct GroupFns {
+  void (*scores)(const float*, const Cached<P>&, float*, int64_t) = nullptr;
+  void (*values)(const float*, int64_t, const Cached<P>&, float, const T*, float*) = nullptr;
+};
+
+template <int D, typename P, typename T>
+GroupFns<P, T> group_fns_d(int64_t group) {
+  switch (group) {
+    case 1: return {&key_scores<1, D, P>, &weighted_values<1, D, P, T>};
+    case 2: return {&key_scores<2, D, P>, &weighted_values<2, D, P, T>};
+    case 3: return {&key_scores<3, D, P>, &weighted_values<3, D, P, T>};
+    case 4: return {&key_scores<4, D, P>, &weighted_values<4, D, P, T>};
+    default: return {};
+  }
+}
+
+template <typename P, typename T>
+GroupFns<P, T> group_fns(int64_t group, int64_t d) {
+  if (d == 64) return group_fns_d<8, P, T>(group);
+  if (d == 128) return group_fns_d<16, P, T>(group);
+  return {};
+}
+
+// In place over each of the group's score rows [0, n]: softmax, float32 (exp8 eight at a time).
+inline void softmax_rows(float* scores, int64_t stride, int64_t group, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * stride;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t <= n; ++t) top = std::max(top, s[t]);
+    __m256 sums = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n + 1; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(s + t, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    float total = sum8(sums);
+    for (; t <= n; ++t) total += (s[t] = std::exp(s[t] - top));
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t <= n; ++t) s[t] *= inv;
   }
 }
 
 // T: q, the new K/V and the output (float32 or bfloat16); P: the pools' elements (T, or an fp8
-// type whose elements are key / k_scale and value / v_scale).
+// type whose elements are key / k_scale and value / v_scale). Work items are (row, KV head):
+// the group's query heads share every key and value read.
 template <typename T, typename P>
 void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
             const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_tables,
@@ -87,7 +188,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
   const int64_t block_size = k_pool.size(1), max_blocks = block_tables.size(1);
-  const int64_t max_keys = max_blocks * block_size;
+  const int64_t stride = max_blocks * block_size + 1;  // a query head's scores, own key last
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const T* qp = q.data_ptr<T>();
   const T* knp = k_new.data_ptr<T>();
@@ -98,54 +199,43 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
+  const GroupFns<P, T> fast = group_fns<P, T>(group, d);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), qk, acc(d), scores(group * (max_keys + 1));
+    // Scratch kept by each thread (sized, never cleared: every element read is written first).
+    thread_local std::vector<float> qf, qk, acc, scores;
+    qf.resize(group * d), qk.resize(group * d), acc.resize(group * d);
+    scores.resize(group * stride);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
-      const int64_t len = std::min(lens[r], max_keys);
+      const int64_t len = std::min(lens[r], stride - 1);
       const int64_t* table = tables + r * max_blocks;
       const int64_t own = (r * kv_heads + h) * d;  // the row's new key/value, at t == len
-      auto cached = [&](const P* pool, int64_t t) {  // cached position t < len
-        const int64_t block = table[t / block_size];
-        return pool + (block * block_size + t % block_size) * token_stride + h * d;
-      };
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i)
-          qf[g * d + i] = static_cast<float>(qp[(r * heads + h * group + g) * d + i]) * scale;
+      const Cached<P> keys{kp + h * d, table, len, block_size, token_stride};
+      const Cached<P> values{vp + h * d, table, len, block_size, token_stride};
+      const T* qh = qp + (r * heads + h * group) * d;  // the group's query heads, contiguous
+      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qh[i]) * scale;
       // q . key == (q * k_scale) . stored key
       const float* q_cached = qf.data();
       if (k_scale != 1.f) {
-        qk.resize(group * d);
         for (int64_t i = 0; i < group * d; ++i) qk[i] = qf[i] * k_scale;
         q_cached = qk.data();
       }
-      for (int64_t t = 0; t < len; ++t) {
-        const P* key = cached(kp, t);
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * (max_keys + 1) + t] = dot(&q_cached[g * d], key, d);
+      if (fast.scores != nullptr) {
+        fast.scores(q_cached, keys, scores.data(), stride);
+      } else {
+        key_scores_any<P>(q_cached, keys, scores.data(), stride, group, d);
       }
       for (int64_t g = 0; g < group; ++g)
-        scores[g * (max_keys + 1) + len] = dot(&qf[g * d], knp + own, d);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = &scores[g * (max_keys + 1)];
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t <= len; ++t) top = std::max(top, s[t]);
-        __m256 sums = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= len + 1; t += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
-          _mm256_storeu_ps(s + t, e);
-          sums = _mm256_add_ps(sums, e);
-        }
-        float total = sum8(sums);
-        for (; t <= len; ++t) total += (s[t] = std::exp(s[t] - top));
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t <= len; ++t) s[t] *= inv;
-        auto value = [&](int64_t t) { return cached(vp, t); };
-        weighted_sum_any<P>(s, len, value, v_scale, vnp + own, d, acc.data());
-        T* dst = op + r * heads * d + (h * group + g) * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i]);
+        scores[g * stride + len] = dot(&qf[g * d], knp + own, d);
+      softmax_rows(scores.data(), stride, group, len);
+      if (fast.values != nullptr) {
+        fast.values(scores.data(), stride, values, v_scale, vnp + own, acc.data());
+      } else {
+        weighted_values_any<P, T>(scores.data(), stride, values, v_scale, vnp + own,
+                                  acc.data(), group, d);
       }
+      T* dst = op + (r * heads + h * group) * d;
+      for (int64_t i = 0; i < group * d; ++i) dst[i] = static_cast<T>(acc[i]);
     }
   });
 }
