@@ -52,6 +52,29 @@ def test_writes_store_value_over_scale_saturated_and_read_back_dequantised():
     torch.testing.assert_close(v_read[1:], v, rtol=2**-4, atol=4 * 2**-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_steps_writes_for_every_layer_equal_each_layers_own(dtype):
+    """write_layers (one copy per K and V for the step) stores what write does layer by layer,
+    each fp8 layer quantised with its own scales, and touches nothing else."""
+    arch = tiny_arch()
+    scales = [(0.5 + i, 4.0 / (i + 1)) for i in range(arch.num_layers)]
+    one, each = (
+        KVCache(arch, num_blocks=4, block_size=16, dtype=dtype, scales=scales) for _ in range(2)
+    )
+    g = torch.Generator().manual_seed(0)
+    shape = (3, arch.num_kv_heads, arch.head_dim)
+    keys = [100 * torch.randn(shape, generator=g).bfloat16() for _ in range(arch.num_layers)]
+    values = [torch.randn(shape, generator=g).bfloat16() for _ in range(arch.num_layers)]
+    slots = torch.tensor([17, 34, 0])  # block 1 position 1, block 2 position 2, the dummy
+    one.write_layers(slots, keys, values)
+    for layer in range(arch.num_layers):
+        each.write(layer, slots, keys[layer], values[layer])
+    for a, b in zip(one.k + one.v, each.k + each.v, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert one.k[1].view(torch.uint8)[1, 1].any()  # layer 1's slot 17: written
+    assert not one.k[1].view(torch.uint8)[3].any()  # block 3: untouched
+
+
 @pytest.fixture(scope="module")
 def scaled_model_dir(tiny_model_dirs, tmp_path_factory):
     """The tiny Llama with vLLM-style per-layer KV scales in its checkpoint."""

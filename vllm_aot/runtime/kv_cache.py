@@ -21,7 +21,8 @@ class KVCache:
     """K and V pools, one pair per layer: [num_blocks, block_size, kv_heads, head_dim] of `dtype`
     (the model's, or an fp8 type), with each layer's float32 scales (`models.layers`: an fp8
     pool stores value / scale; `scales` [layer] = (k_scale, v_scale), default 1.0; pools of
-    other dtypes ignore them)."""
+    other dtypes ignore them). A layer's pools are views of one tensor per K and V
+    [layers, ...], so a step's K/V for every layer land in one copy each (`write_layers`)."""
 
     def __init__(
         self,
@@ -35,14 +36,18 @@ class KVCache:
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zeroed: never-written slots must hold finite values, because masked attention
         # multiplies them by zero and NaN * 0 is NaN.
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_layers)]
+        self._k_all = torch.zeros((arch.num_layers, *shape), dtype=dtype)
+        self._v_all = torch.zeros((arch.num_layers, *shape), dtype=dtype)
+        self.k, self.v = list(self._k_all.unbind(0)), list(self._v_all.unbind(0))
         is_fp8 = dtype in FP8_KV_DTYPES
         if not is_fp8 or not scales:
             scales = [(1.0, 1.0)] * arch.num_layers
         assert len(scales) == arch.num_layers, f"{len(scales)} KV scales, {arch.num_layers} layers"
         self.k_scale = [torch.tensor(k, dtype=torch.float32) for k, _ in scales]
         self.v_scale = [torch.tensor(v, dtype=torch.float32) for _, v in scales]
+        # [layers, 1, 1, 1]: each layer's scale against its stacked K/V
+        self._k_scales = torch.stack(self.k_scale).view(-1, 1, 1, 1)
+        self._v_scales = torch.stack(self.v_scale).view(-1, 1, 1, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -57,16 +62,32 @@ class KVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> None:
-        """Store this step's keys/values. slot_mapping: [tokens]; k_new, v_new: [tokens, kv, d]."""
-        if self.dtype in FP8_KV_DTYPES:
-            # aten has no index_copy_ for fp8: copy the bytes.
-            k_new = quantize_kv(k_new, self.k_scale[layer], self.dtype).view(torch.uint8)
-            v_new = quantize_kv(v_new, self.v_scale[layer], self.dtype).view(torch.uint8)
-            k_pool, v_pool = self.k[layer].view(torch.uint8), self.v[layer].view(torch.uint8)
-        else:
-            k_pool, v_pool = self.k[layer], self.v[layer]
-        k_pool.view(-1, *k_new.shape[1:]).index_copy_(0, slot_mapping, k_new)
-        v_pool.view(-1, *v_new.shape[1:]).index_copy_(0, slot_mapping, v_new)
+        """Store one layer's keys/values. slot_mapping: [tokens]; k_new, v_new: [tokens, kv, d]."""
+        k_scale, v_scale = self._k_scales[layer : layer + 1], self._v_scales[layer : layer + 1]
+        slots = slot_mapping + layer * self.num_blocks * self.block_size
+        self._store(self._k_all, slots, quantize_kv(k_new, k_scale, self.dtype))
+        self._store(self._v_all, slots, quantize_kv(v_new, v_scale, self.dtype))
+
+    def write_layers(
+        self,
+        slot_mapping: torch.Tensor,
+        k_new: Sequence[torch.Tensor],
+        v_new: Sequence[torch.Tensor],
+    ) -> None:
+        """Store every layer's keys/values of a step: k_new[layer], v_new[layer] [tokens, kv, d],
+        the same slots in each layer; one copy per K and V (an fp8 pool's each quantised with its
+        layer's scale, as `write` does)."""
+        layers = torch.arange(len(k_new)) * (self.num_blocks * self.block_size)
+        slots = (layers[:, None] + slot_mapping[None, :]).flatten()
+        self._store(self._k_all, slots, quantize_kv(torch.stack(k_new), self._k_scales, self.dtype))
+        self._store(self._v_all, slots, quantize_kv(torch.stack(v_new), self._v_scales, self.dtype))
+
+    def _store(self, pools: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """values [..., kv, d] of the pools' dtype into the flat slots of [layers, ...] pools."""
+        if self.dtype in FP8_KV_DTYPES:  # aten has no index_copy_ for fp8: copy the bytes
+            pools, values = pools.view(torch.uint8), values.view(torch.uint8)
+        flat = values.reshape(-1, *values.shape[-2:])
+        pools.view(-1, *flat.shape[1:]).index_copy_(0, slots, flat)
 
     def gather(self, layer: int, block_table: Sequence[int], num_tokens: int):
         """One sequence's K and V, [num_tokens, kv_heads, head_dim] each (for analysis/tests);

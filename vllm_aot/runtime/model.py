@@ -3,9 +3,9 @@
 A step is all-prefill or all-decode, never mixed. The caller (a driver of `runtime/policy.py`:
 the generate loop, teacher forcing, vLLM's scheduler through the plugin) decides what runs;
 `prepare_prefill`/`prepare_decode` choose its layer program and pad to it; this class runs that
-program (`inputs.key`) once per layer (writing each layer's new K/V through the slot mapping,
-quantised with the layer's scales when the pool is fp8: `KVCache.write`) and samples in the head
-program.
+program (`inputs.key`) once per layer, then writes every layer's new K/V through the slot mapping
+(quantised with each layer's scales when the pool is fp8: `KVCache.write_layers`, one copy per K
+and V for the step), and samples in the head program.
 
 A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
@@ -119,7 +119,7 @@ class CompiledModel:
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
         program = self._program(key)
-        write_kv = self.spans.wrap(self.kv.write, "write_kv")
+        keys, values = [], []
         with self.spans("layers"):  # embedding and rotary included
             hidden = self.weights.embed.rows(token_ids, self.config.torch_dtype)
             tap, real_positions = self._tap, positions[:num_real]
@@ -133,7 +133,12 @@ class CompiledModel:
                     hidden, k_new, v_new = self._tap_layer(
                         tap, layer, hidden, k_new, v_new, real_positions
                     )
-                write_kv(layer, slot_mapping, k_new, v_new)
+                keys.append(k_new)
+                values.append(v_new)
+        # A layer reads its own pools and this step's K/V as inputs, never another layer's
+        # writes: every layer's K/V land after the last, one copy per K and V.
+        with self.spans("write_kv"):
+            self.kv.write_layers(slot_mapping, keys, values)
         return hidden
 
     @staticmethod
