@@ -148,6 +148,12 @@ def prefill_attention(
     context_block_ids: [ctx_blocks], the cached blocks of every sequence in the step, flattened;
     mask: [tokens, ctx_blocks * block_size + tokens], True where a key is visible to a token
     (same sequence, earlier or same position, not padding). Returns [tokens, heads * head_dim].
+
+    torch's scaled-dot-product attention in float32 whatever the model's dtype, as decode's
+    (its CPU flash kernel: blocks of queries and keys with an online softmax, never the whole
+    score matrix): SmolLM2's 512 tokens against 768 keys in 3.8 ms, against 9.9 ms for
+    `_attend`'s score matrix; in bfloat16 it takes 1.5 ms but moved validate's worst top-5 logit
+    error from 3.3 to 6.0 (HF bfloat16's own: 4.5).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -157,10 +163,15 @@ def prefill_attention(
     v_ctx = v_ctx.reshape(-1, num_kv_heads, head_dim)
     k = torch.cat([k_ctx, k_new], dim=0).transpose(0, 1)[None]  # [1, kv, keys, d]
     v = torch.cat([v_ctx, v_new], dim=0).transpose(0, 1)[None]
-    qg = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    qg = qg.permute(1, 2, 0, 3)[None]  # [1, kv, group, tokens, d]
-    out = _attend(qg, k, v, mask[None, None, None], head_dim**-0.5)
-    return out[0].permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.float(),
+        v.float(),
+        attn_mask=mask,
+        scale=head_dim**-0.5,
+        enable_gqa=True,
+    )  # [1, heads, tokens, d]
+    return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
 
 
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> QKV:
