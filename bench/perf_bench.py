@@ -17,7 +17,8 @@ docs/benchmarking.md); llama.cpp is the build of scripts/setup_llamacpp.sh servi
 GGUF itself (bench/llamacpp.py: which server, its quirks), included by default when built. Prints
 output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios, and for ours the
 padding waste of each run (decode rows and prefill tokens, from our counters on /metrics), and
-each server's memory (proportional set size of all its processes) after its runs.
+each server's memory (proportional set size of all its processes) after its runs; draws tok/s and
+TTFT p99 per system and concurrency into `perf.png` beside the logs (bench/perf_plot.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
+from perf_plot import draw
 from rich.console import Console
 from rich.table import Table
 from serve_bench import run_vllm_bench
@@ -301,6 +303,10 @@ def main() -> None:
     model = prepare_default_model()
     runs = {system: measure(system, model, args, out_dir) for system in systems}
     print_table(runs, systems, args)
+    title = f"{DEFAULT_MODEL_NAME}, vllm bench serve (random, ignore-eos)"
+    results = {system: runs[system][1] for system in systems}
+    plot = draw(results, args.cases, args.concurrency, title, out_dir / "perf.png")
+    print(f"plot: {plot}")
     print(f"results and logs in {out_dir}")
 
 
