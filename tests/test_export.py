@@ -27,7 +27,8 @@ from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.sampler import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-# One bucket of each kind: four programs, about a minute of compile on two cores.
+# One bucket of each kind (prefill: a fresh prompt's and one reading the cache): five programs,
+# about a minute of compile on two cores.
 COMPILED = dict(
     backend="inductor",
     decode_batch_buckets=(4,),
@@ -63,12 +64,14 @@ def test_export_compiles_every_program_once(exported):
     assert sorted(report.compile_seconds) == [
         "decode_b4_c256",
         "greedy_r4",
+        "prefill_t64_c0",
         "prefill_t64_c256",
         "sample_r4",
     ]
     assert sorted(p.name for p in (out / "programs").iterdir()) == [
         "decode_b4_c256.pt2",
         "greedy_r4.pt2",
+        "prefill_t64_c0.pt2",
         "prefill_t64_c256.pt2",
         "sample_r4.pt2",
     ]
@@ -90,7 +93,7 @@ def test_exported_directory_loads_without_compiling_and_matches_eager(exported, 
     out, _ = exported
     compiled, report = load_model(out, tiny_config(**COMPILED))
     assert report.compiled == {}
-    assert len(report.loaded) == 4 and report.count("artifact") == 4
+    assert len(report.loaded) == 5 and report.count("artifact") == 5
     eager, _ = load_model(tiny_model_dir, tiny_config(**{**COMPILED, "backend": "eager"}))
     assert generate(compiled) == generate(eager)
     ids = list(range(300, 340))

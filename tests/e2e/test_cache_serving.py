@@ -44,7 +44,7 @@ def shared_store(tiny_model_dirs, tmp_path_factory):
     )
     assert filled.returncode == 0, filled.stderr[-3000:]
     pushed = vllm_aot("cache", "sync", "--direction", "push", "--remote", store)
-    assert pushed.returncode == 0 and "pushed 4 programs" in pushed.stdout, pushed.stderr[-3000:]
+    assert pushed.returncode == 0 and "pushed 5 programs" in pushed.stdout, pushed.stderr[-3000:]
     return store
 
 
@@ -64,9 +64,9 @@ def test_a_fresh_cache_filled_from_the_remote_store_compiles_nothing(
     with running_server(command, port=port, env=env, log_path=log, timeout=300) as url:
         metrics = metrics_after_one_completion(url)
     text = log.read_text()
-    assert text.count("fetched from the remote store in") == 4
+    assert text.count("fetched from the remote store in") == 5
     assert " compiled in " not in text
-    assert 'vllm_aot:cache_hits_total{tier="remote"} 4.0' in metrics
+    assert 'vllm_aot:cache_hits_total{tier="remote"} 5.0' in metrics
     assert "vllm_aot:cache_misses_total 0.0" in metrics
     assert "vllm_aot:compile_seconds_total 0.0" in metrics
 

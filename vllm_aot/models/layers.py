@@ -156,11 +156,9 @@ def prefill_attention(
     error from 3.3 to 6.0 (HF bfloat16's own: 4.5).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_new.shape[1]
     k_ctx = dequantize_kv(cache.k[context_block_ids], cache.k_scale, k_new.dtype)
     v_ctx = dequantize_kv(cache.v[context_block_ids], cache.v_scale, v_new.dtype)
-    k_ctx = k_ctx.reshape(-1, num_kv_heads, head_dim)
-    v_ctx = v_ctx.reshape(-1, num_kv_heads, head_dim)
+    k_ctx, v_ctx = k_ctx.flatten(0, 1), v_ctx.flatten(0, 1)  # no blocks: [0, kv, d]
     k = torch.cat([k_ctx, k_new], dim=0).transpose(0, 1)[None]  # [1, kv, keys, d]
     v = torch.cat([v_ctx, v_new], dim=0).transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(

@@ -30,11 +30,14 @@ def pick_bucket(buckets: Sequence[int], needed: int) -> int:
     return bucket
 
 
-def validate_buckets(name: str, buckets: Sequence[int], maximum: int) -> tuple[int, ...]:
-    """Sorted, unique, positive, and covering `maximum` (the largest must equal it)."""
+def validate_buckets(
+    name: str, buckets: Sequence[int], maximum: int, minimum: int = 1
+) -> tuple[int, ...]:
+    """Sorted, unique, at least `minimum`, and covering `maximum` (the largest must equal it)."""
     values = tuple(sorted(set(int(b) for b in buckets)))
-    if not values or values[0] <= 0:
-        raise ValueError(f"{name} must be positive integers, got {list(buckets)}")
+    if not values or values[0] < minimum:
+        kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {list(buckets)}")
     if values[-1] != maximum:
         raise ValueError(f"the largest of {name} must be {maximum}, got {list(values)}")
     return values

@@ -79,17 +79,18 @@ class RuntimeConfig:
                 _by_fours(256, self.max_model_len),
                 self.max_model_len,
             ),
-            # A fresh prompt reads no cache: a small bucket spares it attending over
-            # max_model_len padded keys (3x faster 512-token prefill on SmolLM2 fp32). Later
-            # chunks of a long prompt read what earlier chunks wrote: the second 512-token chunk
-            # of a 1024-token prompt attends over 1024 + 512 keys, not 2048 + 512.
+            # A fresh prompt reads no cache: its own bucket (0) spares it attending over padded
+            # keys at all (a 128-token prompt against 128 keys, not 256 + 128). Later chunks of a
+            # long prompt read what earlier chunks wrote: the second 512-token chunk of a
+            # 1024-token prompt attends over 1024 + 512 keys, not 2048 + 512.
             "prefill_context_buckets": (
-                _by_fours(256, self.max_model_len),
+                (0, *_by_fours(256, self.max_model_len)),
                 self.max_model_len,
             ),
         }
         for name, (default, maximum) in defaults.items():
-            values = validate_buckets(name, getattr(self, name) or default, maximum)
+            minimum = 0 if name == "prefill_context_buckets" else 1
+            values = validate_buckets(name, getattr(self, name) or default, maximum, minimum)
             if name.endswith("context_buckets") and any(v % self.block_size for v in values):
                 raise ValueError(f"{name} must be multiples of block_size ({self.block_size})")
             # Frozen: normalise the field once, here, before anyone reads it.
