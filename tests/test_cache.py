@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.helpers import TINY_CACHE_CONFIG, tiny_arch
 from vllm_aot.cache.admin import cleanup, status, sync
 from vllm_aot.cache.local import CacheLockTimeout
 from vllm_aot.cache.program_cache import CacheMissError, CacheSettings, ProgramCache
-from vllm_aot.cache.registry import CompiledConfiguration, select_configuration
+from vllm_aot.cache.registry import CompiledConfiguration, describe_rows, select_configuration
 from vllm_aot.runtime.programs import all_program_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +269,7 @@ def test_cleanup_removes_failures_stale_locks_and_other_versions(tmp_path):
 
 
 def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None, created=0.0):
-    from vllm_aot.cache.keys import cpu_target, versions
+    from vllm_aot.cache.keys import cpu_target, generator_source_digest, versions
 
     runtime = {
         "max_num_seqs": batch,
@@ -286,6 +287,7 @@ def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None, cre
         torch=torch_version or versions()["torch"],
         vllm_aot=versions()["vllm_aot"],
         created=created,
+        source=generator_source_digest(),
     )
 
 
@@ -305,6 +307,19 @@ def test_selection_prefers_tp_then_batch_then_length_among_exact_matches():
     assert best.runtime["max_num_seqs"] == 8 and "max_model_len=4096" in why
     best, why = select_configuration(entries, {"dtype": "float32"}, num_cores=2)
     assert best is None and "none of 5 cached configurations" in why
+
+
+def test_records_of_programs_from_other_code_are_not_served():
+    """A record written by other program-generating code (or before records named it) names
+    programs this code never loads: selection passes over it and says why in the lookup."""
+    stale = replace(_entry(batch=32), source="0123456789abcdef")
+    unrecorded = replace(_entry(batch=16), source="")
+    current = _entry(batch=8)
+    assert "source 0123456789abcdef (here " in stale.incompatibility
+    assert "source unrecorded" in unrecorded.incompatibility and current.incompatibility is None
+    best, _ = select_configuration([stale, unrecorded, current], {}, num_cores=2)
+    assert best is current
+    assert "(not loadable here)" in describe_rows([stale])[1][-2]
 
 
 def test_selection_takes_the_newest_of_equal_shapes():
