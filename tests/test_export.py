@@ -153,7 +153,7 @@ def test_an_artifact_for_another_cpu_target_is_refused_before_anything_loads(exp
 
 def test_an_artifact_calling_other_kernels_is_refused(exported, tmp_path):
     copy = _edited_copy(exported, tmp_path, kernels={"linear": "aten", "attention": "torch"})
-    if program_kernels(["fp32"]) == {"linear.fp32": "aten", "attention": "torch"}:
+    if set(program_kernels(["fp32"]).values()) == {"aten", "torch"}:
         pytest.skip("this machine runs no kernels")
     with pytest.raises(ArtifactMismatchError, match=r"call the kernels .* Re-export"):
         load_model(copy)

@@ -10,6 +10,7 @@ from vllm_aot import kernels
 from vllm_aot.models.formats import ATEN, LINEAR_BF16, WEIGHT_FORMATS
 from vllm_aot.models.layers import PagedKV, decode_attention, quantize_kv
 from vllm_aot.models.linear import CpuFeatures
+from vllm_aot.runtime.sampler import logprob_stats
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
 
@@ -117,9 +118,34 @@ def test_every_finite_fp8_value_reads_back_as_torch_converts_it(pool_dtype):
     assert torch.equal(got, 0.5 * v_pool.float().view(n, dim))
 
 
+@pytest.mark.parametrize(("rows", "vocab", "n"), [(5, 49152, 20), (3, 1003, 7), (2, 9, 9)])
+def test_logprob_stats_kernel_matches_the_samplers_reference(rows, vocab, n):
+    """Token logprobs, ranks and the top-n (a vocabulary with a tail past the last eight, n up to
+    all of it), against `runtime.sampler.logprob_stats`."""
+    g = torch.Generator().manual_seed(rows)
+    logits = 8 * torch.randn(rows, vocab, generator=g)
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    tokens[0] = logits[0].argmax()  # rank 1
+    kernel = kernels.logprob_stats_kernel(kernels.LOGPROB_STATS)
+    got, want = kernel(logits, tokens, n), logprob_stats(logits, tokens, n)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)  # token logprobs
+    assert torch.equal(got[1], want[1]) and got[1][0] == 1  # ranks
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)  # top-n logprobs
+    assert torch.equal(got[3], want[3])  # top-n ids, descending
+
+
+def test_logprob_stats_kernel_keeps_the_lower_id_first_among_equal_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0, 2.0, 1.0, 3.0, 2.0]])
+    kernel = kernels.logprob_stats_kernel(kernels.LOGPROB_STATS)
+    _, ranks, top, ids = kernel(logits, torch.tensor([2]), 5)
+    assert ids.tolist() == [[1, 3, 4, 8, 2]] and ranks.tolist() == [7]
+    torch.testing.assert_close(top[0, :4], torch.log_softmax(logits, -1)[0, [1, 3, 4, 8]])
+
+
 def test_kernels_off_selects_aten_and_torch(monkeypatch):
     monkeypatch.setenv("VLLM_AOT_KERNELS", "0")
     assert kernels.linear_impl("bf16") == ATEN
     assert kernels.attention_impl() == kernels.TORCH
+    assert kernels.logprobs_impl() == kernels.TORCH
     monkeypatch.delenv("VLLM_AOT_KERNELS")
     assert kernels.linear_impl("fp32") == ATEN  # MKL is fast in float32

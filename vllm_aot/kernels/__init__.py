@@ -21,13 +21,17 @@
   only the row's real context (pools of q's dtype, or fp8 with the layer's scales), where the
   pure-torch version (`models.layers.decode_attention`, the reference) attends over the whole
   static context bucket and Inductor's code for it is mostly gathers.
+- `vllm_aot::logprob_stats(logits, tokens, n)` (`logprob_stats.cpp`): the sampled tokens' raw
+  logprobs, ranks and the top-n of each row in three passes over its logits, where the sampler's
+  pure-torch version (`runtime.sampler.logprob_stats`, the reference) materialises every logprob
+  and sorts for topk.
 
 Which implementation a program calls is fixed when it is compiled (`program_kernels`, part of
 its cache key): the linear's from its weight format's choice for this CPU (`models/formats.py`
 registers the formats and their kernels; `cpu_features()` is what the choice reads), the decode
-attention's here. Compiled programs call the ops by name, so the library is loaded (`load()`)
-before any program runs. `VLLM_AOT_KERNELS=0` turns every kernel off (aten and pure torch only),
-for debugging and comparison.
+attention's and the head's logprob statistics' here. Compiled programs call the ops by name,
+so the library is loaded (`load()`) before any program runs. `VLLM_AOT_KERNELS=0` turns every
+kernel off (aten and pure torch only), for debugging and comparison.
 
 Each `.cpp` file here defines its ops, their CPU implementation and their shape function (a Meta
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
@@ -87,6 +91,7 @@ LIBRARY_FILE = f"{_LIBRARY}.so"  # what torch's builder names it
 RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
 DECODE_ATTENTION = "vllm_aot.decode_attention/2"
+LOGPROB_STATS = "vllm_aot.logprob_stats/1"
 TORCH = "torch"
 _LIBRARY_OPS = "vllm_aot."  # the prefix of every kernel name that is one of our ops
 
@@ -116,11 +121,17 @@ def attention_impl() -> str:
     return DECODE_ATTENTION if kernels_enabled() else TORCH
 
 
+def logprobs_impl() -> str:
+    """What head programs use for the sampled token's logprob, rank and the top-n: the kernel
+    wherever kernels build."""
+    return LOGPROB_STATS if kernels_enabled() else TORCH
+
+
 def program_kernels(formats: Iterable[str]) -> dict[str, str]:
     """What programs whose linears use `formats` call on this CPU (their cache key names it):
-    `linear.<format>` per format, and `attention`."""
+    `linear.<format>` per format, `attention` and `logprobs`."""
     linears = {f"linear.{fmt}": linear_impl(fmt) for fmt in sorted(set(formats))}
-    return {**linears, "attention": attention_impl()}
+    return {**linears, "attention": attention_impl(), "logprobs": logprobs_impl()}
 
 
 def uses_library(formats: Iterable[str]) -> bool:
@@ -133,6 +144,15 @@ def load_used(formats: Iterable[str]) -> None:
     loading one)."""
     if uses_library(formats):
         load()
+
+
+def logprob_stats_kernel(impl: str):
+    """The kernel head programs call for `runtime.sampler.logprob_stats` (same signature), or
+    None where they use that pure-torch function itself."""
+    if impl == TORCH:
+        return None
+    load()
+    return torch.ops.vllm_aot.logprob_stats
 
 
 def decode_attention_fn(impl: str):

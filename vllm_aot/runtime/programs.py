@@ -17,7 +17,14 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from vllm_aot.kernels import attention_impl, cpu_features, decode_attention_fn, load_used
+from vllm_aot.kernels import (
+    attention_impl,
+    cpu_features,
+    decode_attention_fn,
+    load_used,
+    logprob_stats_kernel,
+    logprobs_impl,
+)
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec
 from vllm_aot.models.formats import dense_format, weight_format
@@ -135,6 +142,7 @@ class Head(nn.Module):
         fmt = weight_format(config.linear_format(LM_HEAD))
         self.num_head_tensors = len(fmt.tensor_names)
         self.linear = fmt.kernel(cpu_features()).apply
+        self.stats = logprob_stats_kernel(logprobs_impl())  # None: the sampler's own
 
     def forward(self, hidden, final_norm, *rest) -> tuple[torch.Tensor, ...]:
         lm_head, sampling = rest[: self.num_head_tensors], rest[self.num_head_tensors :]
@@ -147,6 +155,7 @@ class Head(nn.Module):
             is_greedy=self.is_greedy,
             num_logprobs=self.num_logprobs,
             num_candidates=self.num_candidates,
+            stats=self.stats,
         )
         return tuple(out)
 

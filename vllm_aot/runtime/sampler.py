@@ -19,11 +19,17 @@ plain temperature sampling are exact over the whole vocabulary.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
+
+# (logits [rows, vocab], tokens [rows], n) -> (token logprobs, ranks, top-n logprobs, top-n ids)
+LogprobStats = Callable[
+    [torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
 
 _U32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27, so a 32-bit value times it never overflows int64
@@ -138,15 +144,17 @@ def sample_rows(
     num_logprobs: int,
     num_candidates: int,
     processed: torch.Tensor | None = None,
+    stats: LogprobStats | None = None,
 ) -> SamplerOutput:
     """One token per row of raw `logits` [rows, vocab] float32, with vLLM's raw logprobs.
 
     `is_greedy` (every row greedy, `all_greedy`) leaves out the random path; without it rows
     with top_k 1 still take the argmax. Tokens are drawn from `processed` [rows, vocab] when
     given (host-side penalties, bias, bans), else from `logits`; the logprobs, ranks and top-n
-    always describe `logits`, before any processing or mask.
+    always describe `logits`, before any processing or mask (`stats`: `logprob_stats` or a
+    kernel computing the same).
     """
-    logprobs = torch.log_softmax(logits, dim=-1)
+    stats = stats or logprob_stats
     allowed = unpack_vocab_mask(t.vocab_mask, logits.shape[-1])
     masked = (logits if processed is None else processed).masked_fill(~allowed, float("-inf"))
     tokens = masked.argmax(dim=-1)
@@ -154,10 +162,22 @@ def sample_rows(
         num_candidates = min(num_candidates, logits.shape[-1])
         drawn = _random_tokens(masked, allowed, t, num_candidates)
         tokens = torch.where(t.top_k == 1, tokens, drawn)  # normalised greedy rows: top_k 1
+    token_logprobs, ranks, top_logprobs, top_ids = stats(logits, tokens, num_logprobs)
+    return SamplerOutput(tokens, token_logprobs, ranks, top_logprobs, top_ids, logits)
+
+
+def logprob_stats(
+    logits: torch.Tensor, tokens: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's raw logprobs of `logits` [rows, vocab] float32 for `tokens` [rows]: the tokens'
+    logprobs [rows], their 1-based ranks [rows] (how many logprobs are at least the token's, as
+    vLLM counts) and the top-n logprobs and ids [rows, n]. The reference for the kernel
+    `vllm_aot::logprob_stats`, which head programs call where kernels build."""
+    logprobs = torch.log_softmax(logits, dim=-1)
     token_logprobs = logprobs.gather(1, tokens[:, None])  # [rows, 1]
-    ranks = (logprobs >= token_logprobs).sum(dim=-1)  # 1-based, counted as vLLM counts
-    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    return SamplerOutput(tokens, token_logprobs[:, 0], ranks, top_logprobs, top_ids, logits)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(n, dim=-1)
+    return token_logprobs[:, 0], ranks, top_logprobs, top_ids
 
 
 def _random_tokens(
