@@ -67,9 +67,10 @@ def decode_attention_case(dtype, pool_dtype, scales=(1.0, 1.0), heads=9, kv_head
     return q, k_new, v_new, PagedKV(k_pool, v_pool, k_scale, v_scale), tables, mask
 
 
-# (query heads, KV heads, head size): SmolLM2's, the other groups the kernel has a register path
-# for (1, 2, 4 query heads a KV head; heads of 128), and a shape it has none for.
-ATTENTION_SHAPES = [(9, 3, 64), (4, 4, 64), (8, 4, 128), (8, 2, 64), (8, 1, 32)]
+# (query heads, KV heads, head size): SmolLM2's, the other group sizes the kernel has a register
+# path for (1, 2, 4 query heads a KV head; heads of 128), a group taken 4 then 3 at a time
+# (Qwen2-0.5B's 7), and a head size it has none for.
+ATTENTION_SHAPES = [(9, 3, 64), (4, 4, 64), (8, 4, 128), (8, 2, 64), (14, 2, 64), (8, 1, 32)]
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)

@@ -3,8 +3,8 @@
 // Reads only the row's real context (context_lens[r] tokens through its block table), so a
 // static context bucket costs a short sequence nothing but the size of its block-table row.
 // Grouped-query: the `group` query heads of a KV head share each key and value read, widened to
-// float32 once for all of them (up to 4 query heads a KV head and heads of 64 or 128 in
-// registers; other shapes one query head at a time). Scores,
+// float32 once for every 4 of them (heads of 64 or 128, the sums in registers; other head sizes
+// one query head at a time). Scores,
 // softmax and the weighted sum are float32 whatever the cache dtype: the model's (float32 or
 // bfloat16), or fp8 (e4m3fn, e5m2: elements widened through a table, `fp8.h`, and the layer's
 // per-tensor scales folded into the query for keys and into the sum for values).
@@ -108,7 +108,7 @@ void weighted_values(const float* probs, int64_t stride, const Cached<P>& values
   }
 }
 
-// The same for any group and head size, one query head at a time.
+// The same for any head size, one query head at a time.
 template <typename P>
 void key_scores_any(const float* q, const Cached<P>& keys, float* scores, int64_t stride,
                     int64_t group, int64_t d) {
@@ -123,7 +123,8 @@ void weighted_values_any(const float* probs, int64_t stride, const Cached<P>& va
   std::fill(out, out + group * d, 0.f);
   values.each([&](int64_t t, const P* v) {
     for (int64_t g = 0; g < group; ++g)
-      for (int64_t i = 0; i < d; ++i) out[g * d + i] += probs[g * stride + t] * static_cast<float>(v[i]);
+      for (int64_t i = 0; i < d; ++i)
+        out[g * d + i] += probs[g * stride + t] * static_cast<float>(v[i]);
   });
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < d; ++i) {
@@ -132,29 +133,30 @@ void weighted_values_any(const float* probs, int64_t stride, const Cached<P>& va
     }
 }
 
-// One KV head's group of query heads over its cached keys: the scores and the weighted values,
-// by the fast path for this (group, head size) when there is one.
+// The register paths for a head size, by how many query heads (1 to kMaxGroup) share the keys
+// and values they read; empty for head sizes without one.
+constexpr int64_t kMaxGroup = 4;
+
 template <typename P, typename T>
 struct GroupFns {
-  void (*scores)(const float*, const Cached<P>&, float*, int64_t) = nullptr;
-  void (*values)(const float*, int64_t, const Cached<P>&, float, const T*, float*) = nullptr;
+  void (*scores[kMaxGroup + 1])(const float*, const Cached<P>&, float*, int64_t) = {};
+  void (*values[kMaxGroup + 1])(const float*, int64_t, const Cached<P>&, float, const T*,
+                                float*) = {};
+  bool empty() const { return scores[1] == nullptr; }
 };
 
 template <int D, typename P, typename T>
-GroupFns<P, T> group_fns_d(int64_t group) {
-  switch (group) {
-    case 1: return {&key_scores<1, D, P>, &weighted_values<1, D, P, T>};
-    case 2: return {&key_scores<2, D, P>, &weighted_values<2, D, P, T>};
-    case 3: return {&key_scores<3, D, P>, &weighted_values<3, D, P, T>};
-    case 4: return {&key_scores<4, D, P>, &weighted_values<4, D, P, T>};
-    default: return {};
-  }
+GroupFns<P, T> group_fns_d() {
+  return {{nullptr, &key_scores<1, D, P>, &key_scores<2, D, P>, &key_scores<3, D, P>,
+           &key_scores<4, D, P>},
+          {nullptr, &weighted_values<1, D, P, T>, &weighted_values<2, D, P, T>,
+           &weighted_values<3, D, P, T>, &weighted_values<4, D, P, T>}};
 }
 
 template <typename P, typename T>
-GroupFns<P, T> group_fns(int64_t group, int64_t d) {
-  if (d == 64) return group_fns_d<8, P, T>(group);
-  if (d == 128) return group_fns_d<16, P, T>(group);
+GroupFns<P, T> group_fns(int64_t d) {
+  if (d == 64) return group_fns_d<8, P, T>();
+  if (d == 128) return group_fns_d<16, P, T>();
   return {};
 }
 
@@ -199,7 +201,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
-  const GroupFns<P, T> fast = group_fns<P, T>(group, d);
+  const GroupFns<P, T> fast = group_fns<P, T>(d);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Scratch kept by each thread (sized, never cleared: every element read is written first).
     thread_local std::vector<float> qf, qk, acc, scores;
@@ -220,16 +222,22 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         for (int64_t i = 0; i < group * d; ++i) qk[i] = qf[i] * k_scale;
         q_cached = qk.data();
       }
-      if (fast.scores != nullptr) {
-        fast.scores(q_cached, keys, scores.data(), stride);
+      if (!fast.empty()) {
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // query heads kMaxGroup at a time
+          const int64_t n = std::min(kMaxGroup, group - g0);
+          fast.scores[n](q_cached + g0 * d, keys, &scores[g0 * stride], stride);
+        }
       } else {
         key_scores_any<P>(q_cached, keys, scores.data(), stride, group, d);
       }
       for (int64_t g = 0; g < group; ++g)
         scores[g * stride + len] = dot(&qf[g * d], knp + own, d);
       softmax_rows(scores.data(), stride, group, len);
-      if (fast.values != nullptr) {
-        fast.values(scores.data(), stride, values, v_scale, vnp + own, acc.data());
+      if (!fast.empty()) {
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+          const int64_t n = std::min(kMaxGroup, group - g0);
+          fast.values[n](&scores[g0 * stride], stride, values, v_scale, vnp + own, &acc[g0 * d]);
+        }
       } else {
         weighted_values_any<P, T>(scores.data(), stride, values, v_scale, vnp + own,
                                   acc.data(), group, d);
