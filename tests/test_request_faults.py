@@ -8,9 +8,6 @@ several requests, and broken invariants, still stop the engine (`plugin/faults.p
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams
@@ -18,7 +15,8 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request
 
 from tests.engine_loop import (
-    engine_step,
+    AsyncEngineLoop,
+    Engine,
     make_block_hasher,
     make_request,
     make_scheduler,
@@ -29,7 +27,6 @@ from vllm_aot.loading.startup import load_model
 from vllm_aot.plugin import runner as runner_module
 from vllm_aot.plugin.faults import RequestError, is_per_request
 from vllm_aot.plugin.runner import AotModelRunner
-from vllm_aot.plugin.scheduler import AotScheduler
 
 NUM_BLOCKS = 65
 MAX_TOKENS = 5
@@ -47,44 +44,16 @@ def model(tiny_model_dirs):
     return load_model(tiny_model_dirs("llama"), config, show_progress=False)[0]
 
 
-@dataclass
-class Engine:
-    scheduler: AotScheduler
-    runner: AotModelRunner
-    block_hasher: object
-    tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    finished: dict[str, FinishReason] = field(default_factory=dict)
-
-    def add(self, req_id: str, prompt: int | list[int], **params) -> Request:
-        params = SamplingParams(**({"max_tokens": MAX_TOKENS, "temperature": 0} | params))
-        request = make_request(req_id, prompt, self.block_hasher, params)
-        self.scheduler.add_request(request)
-        return request
-
-    def step(self, num_steps: int = 1) -> None:
-        for _ in range(num_steps):
-            for out in engine_step(self.scheduler, self.runner):
-                self.tokens[out.request_id] += out.new_token_ids
-                if out.finish_reason is not None:
-                    self.finished[out.request_id] = out.finish_reason
-
-    def run(self, max_steps: int = 100) -> None:
-        """Steps until every request has finished."""
-        for _ in range(max_steps):
-            if not self.scheduler.get_num_unfinished_requests():
-                return
-            self.step()
-        raise AssertionError("requests never finished")
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-
-
-@pytest.fixture
-def engine(vllm_config, model):
-    scheduler = make_scheduler(vllm_config, NUM_BLOCKS)
-    yield Engine(scheduler, AotModelRunner(model), make_block_hasher(vllm_config))
+@pytest.fixture(params=["sync", "async"])
+def engine(request, vllm_config, model):
+    """The engine loop as it runs without and with --async-scheduling."""
+    is_async = request.param == "async"
+    scheduler = make_scheduler(vllm_config, NUM_BLOCKS, is_async=is_async)
+    runner = AotModelRunner(model)
+    loop = AsyncEngineLoop(scheduler, runner) if is_async else None
+    yield Engine(scheduler, runner, make_block_hasher(vllm_config), MAX_TOKENS, loop)
+    if loop is not None:
+        loop.shutdown()
     scheduler.shutdown()
 
 
@@ -186,10 +155,10 @@ def test_a_failure_shared_by_a_batch_stops_the_engine(engine, model, monkeypatch
 
     engine.add("A", 20)
     engine.add("B", 20)
-    engine.step(2)  # both prompts computed
+    engine.step(2)  # both prompts scheduled
     monkeypatch.setattr(model, "forward_decode", decode_fails)
     with pytest.raises(RuntimeError, match="planted failure"):
-        engine_step(engine.scheduler, engine.runner)
+        engine.run()
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its ha
 
 WORKER_CLS = "vllm_aot.plugin.worker.AotWorker"
 SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotAsyncScheduler"
 
 
 def _refuse_unsupported(vllm_config) -> None:
@@ -147,7 +148,9 @@ class AotPlatform(CpuPlatform):
         if options.stats_file is None:
             options = dataclasses.replace(options, stats_file=_stats_file())
         register_collector(options.stats_file)
+        is_async = bool(scheduler_config.async_scheduling)  # vLLM's choice, CpuPlatform's veto
         super().check_and_update_config(vllm_config)
+        scheduler_config.async_scheduling = is_async
         if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
             # Fork the engine process from the front end instead of spawning a fresh interpreter
             # that imports vLLM again (~12 s here). `vllm-aot serve` asks for it: its front end
@@ -166,7 +169,7 @@ class AotPlatform(CpuPlatform):
         cache_config.block_size = runtime.block_size
         model_config.max_logprobs = _max_logprobs(model_config.max_logprobs, runtime.num_logprobs)
         vllm_config.parallel_config.worker_cls = WORKER_CLS
-        scheduler_config.scheduler_cls = SCHEDULER_CLS
+        scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
         # One engine process holds the worker: no extra process hop per step.
         vllm_config.parallel_config.distributed_executor_backend = "uni"
         extra[RESOLVED_KEY] = options.to_dict()
@@ -174,7 +177,7 @@ class AotPlatform(CpuPlatform):
         logger.info(
             "vllm-aot: %s backend, %s, weights %s, KV cache %s, max_num_seqs=%d, "
             "max_model_len=%d, block_size=%d, prefill chunks %s, decode batches %s, "
-            "decode contexts %s%s",
+            "decode contexts %s, %s scheduling%s",
             runtime.backend,
             runtime.dtype,
             runtime.formats_summary(),
@@ -185,6 +188,7 @@ class AotPlatform(CpuPlatform):
             runtime.prefill_token_buckets,
             runtime.decode_batch_buckets,
             runtime.decode_context_buckets,
+            "async" if is_async else "synchronous",
             f", from {options.artifact_dir}" if options.artifact_dir else "",
         )
 

@@ -118,7 +118,9 @@ class AotModelRunner:
                 self._fail(exc, [new.req_id], failed)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            req = self.requests[req_id]
+            req = self.requests.get(req_id)
+            if req is None:  # failed in the step before, scheduled before vLLM knew (async)
+                continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Preempted and rescheduled: fresh blocks, tokens resent in full.
@@ -160,7 +162,7 @@ class AotModelRunner:
         rows = [
             ScheduledRow(self.requests[rid], self.requests[rid].num_computed_tokens, n)
             for rid, n in out.num_scheduled_tokens.items()
-            if rid not in failed
+            if rid in self.requests
         ]
         try:
             layers = [self._run_layers(rows)] if rows else []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -110,3 +111,10 @@ class AotScheduler(Scheduler):
             for block_ids in self.kv_cache_manager.get_block_ids(req_id):
                 self.kv_cache_manager.evict_blocks(set(block_ids))
         return self.finish_requests(live, RequestStatus.FINISHED_ERROR)
+
+
+class AotAsyncScheduler(AotScheduler, AsyncScheduler):
+    """The same steps under `--async-scheduling`: vLLM's AsyncScheduler keeps a placeholder for
+    each token sampled but not yet returned, so a request decodes again before its last token
+    is back (the runner has it) and is not scheduled past its max_tokens. The policy reads the
+    same numbers: a request whose prompt is computed is decoding, placeholder or not."""

@@ -4,7 +4,8 @@ Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (pro
 through the one start-up path, `loading.startup.start`), `get_kv_cache_spec` (our pools' geometry),
 `determine_available_memory` (the KV budget), `initialize_from_config` (pool of vLLM's block
 count), `compile_or_warm_up_model` (compile/load report). Then `execute_model`/`sample_tokens`
-per step, delegated to AotModelRunner; `profile` between steps (vLLM's `/start_profile` and
+per step, delegated to AotModelRunner (on a thread of its own under `--async-scheduling`, see
+async_steps.py); `profile` between steps (vLLM's `/start_profile` and
 `/stop_profile`, see profiling.py). The stats file (metrics.py) gets the start-up counters in
 `load_model` and the step counters from a background thread from `initialize_from_config` on.
 """
@@ -26,6 +27,7 @@ from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.loading.programs import ProgramOptions
 from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
+from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.profiling import WorkerProfiler
@@ -71,6 +73,7 @@ class AotWorker(WorkerBase):
         self.runner: AotModelRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
+        self.async_steps: AsyncSteps | None = None  # under --async-scheduling
         validate_worker_profiler_config(self.vllm_config.profiler_config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -118,6 +121,8 @@ class AotWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model = self.loaded.build(kv_cache_config.num_blocks)
         self.runner = AotModelRunner(self.model)
+        if self.scheduler_config.async_scheduling:
+            self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
         if self.stats_file is not None:
             self.stats_file.follow(functools.partial(model_stats, self.model))
         logger.info(
@@ -135,17 +140,34 @@ class AotWorker(WorkerBase):
         return ("generate",)
 
     def execute_model(self, scheduler_output):
+        if self.async_steps is not None:
+            return self.async_steps.execute_model(scheduler_output)
+        return self._execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        if self.async_steps is not None:
+            return self.async_steps.sample_tokens(grammar_output)
+        return self._sample_tokens(grammar_output)
+
+    def _execute_model(self, scheduler_output):
         if self.profiler is not None:
             self.profiler.step()  # delayed starts, iteration limits, schedules
             self.model.spans.is_enabled = self.profiler.is_recording
         with self.model.spans("execute_model"):
             return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output):
+    def _sample_tokens(self, grammar_output):
         with self.model.spans("sample_tokens"):
             return self.runner.sample_tokens(grammar_output)
 
-    def profile(
+    def profile(self, *args, **kwargs) -> None:
+        """Start or stop a torch profiler session (vLLM's `/start_profile`, `/stop_profile`),
+        on the thread that runs the steps (`_profile`)."""
+        if self.async_steps is not None:
+            return self.async_steps.call(self._profile, *args, **kwargs)
+        return self._profile(*args, **kwargs)
+
+    def _profile(
         self,
         is_start: bool = True,
         profile_prefix: str | None = None,
@@ -153,10 +175,7 @@ class AotWorker(WorkerBase):
         delay_iterations: int | None = None,
         max_iterations: int | None = None,
     ) -> None:
-        """Start or stop a torch profiler session (vLLM's `/start_profile`, `/stop_profile`).
-
-        Raises RuntimeError when `--profiler-config` did not enable the torch profiler.
-        """
+        """Raises RuntimeError when `--profiler-config` did not enable the torch profiler."""
         config = self.vllm_config.profiler_config
         if config is None or config.profiler is None:
             raise RuntimeError(
@@ -187,6 +206,8 @@ class AotWorker(WorkerBase):
         return None
 
     def shutdown(self) -> None:
+        if self.async_steps is not None:
+            self.async_steps.shutdown()
         if self.profiler is not None:
             self.profiler.shutdown()
         if self.stats_file is not None:

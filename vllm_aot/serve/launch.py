@@ -77,7 +77,13 @@ def choose_from_args(
     from vllm_aot.serve.selection import pick_from_registry
 
     manifest = read_manifest(model_dir) if is_artifact_dir(model_dir) else None
-    options = {"backend": args.backend}
+    if manifest is not None and args.backend == "eager":
+        raise ValueError(
+            f"{model_dir} is an exported directory of compiled programs; "
+            "--backend eager needs a model directory"
+        )
+    # An exported directory runs its compiled programs: no backend to choose.
+    options = {} if manifest is not None else {"backend": args.backend}
     if args.require_cached:
         options["require_cached"] = True
     if args.remote_cache:
