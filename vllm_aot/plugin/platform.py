@@ -53,8 +53,6 @@ def _refuse_unsupported(vllm_config) -> None:
         )
     if model_config.is_multimodal_model:
         problems.append("multimodal models")
-    if model_config.enable_prompt_embeds:
-        problems.append("--enable-prompt-embeds (token prompts only)")
     dtype = str(model_config.dtype).removeprefix("torch.")
     if vllm_config.cache_config.cache_dtype not in ("auto", dtype, *FP8_KV_CACHE_DTYPES):
         problems.append(
@@ -190,19 +188,38 @@ class AotPlatform(CpuPlatform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Front-end check for what the compiled runtime cannot serve: logprobs of the prompt,
-        or of chosen token ids (the head programs return the top-n). A VLLMValidationError is
-        HTTP 400; vLLM answers any other exception here with a bare 500."""
+        """Front-end check for what the compiled runtime cannot serve: logprobs of chosen token
+        ids (the head programs return the top-n), prompt logprobs of a prompt without token ids,
+        prompt embeddings mixed with token ids. A VLLMValidationError is HTTP 400; vLLM answers
+        any other exception here with a bare 500."""
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
         if not isinstance(params, SamplingParams):
             return super().validate_request(processed_inputs, params)
-        for name in ("prompt_logprobs", "prompt_logprob_token_ids", "logprob_token_ids"):
+        for name in ("prompt_logprob_token_ids", "logprob_token_ids"):
             if getattr(params, name) is not None:
                 raise VLLMValidationError(
                     f"vllm-aot does not return {name}; it returns the top-n logprobs of "
-                    "generated tokens (logprobs=n)",
+                    "generated and prompt tokens (logprobs=n, prompt_logprobs=n)",
                     parameter=name,
                 )
+        if processed_inputs.get("type") == "embeds":
+            _refuse_embeds_request(processed_inputs, params, VLLMValidationError)
         super().validate_request(processed_inputs, params)
+
+
+def _refuse_embeds_request(processed_inputs, params, error: type[Exception]) -> None:
+    """`error` (HTTP 400) for a prompt_embeds request the runner cannot serve. vLLM's loader
+    has already checked the embeddings' shape against the model and cast them to its dtype."""
+    if processed_inputs.get("is_token_ids") is not None:
+        raise error(
+            "vllm-aot does not serve prompt embeddings mixed with token ids (supported: a "
+            "prompt given wholly as prompt_embeds, or token ids)",
+            parameter="prompt_embeds",
+        )
+    if params.prompt_logprobs is not None and processed_inputs.get("prompt_token_ids") is None:
+        raise error(
+            "prompt_logprobs need the prompt's token ids; a prompt_embeds request has none",
+            parameter="prompt_logprobs",
+        )
