@@ -122,17 +122,15 @@ def test_prompt_logprobs_and_prompt_embeds_pass_the_front_end(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    ("inputs", "params", "refusal"),
-    [
-        ({}, {"prompt_logprobs": 1}, "prompt_logprobs need the prompt's token ids"),
-        ({"is_token_ids": [True, False, False]}, {}, "mixed with token ids"),
-    ],
-    ids=["prompt_logprobs_without_token_ids", "mixed_with_token_ids"],
+    "inputs",
+    [{}, {"prompt_token_ids": [5, 0, 0], "is_token_ids": [True, False, False]}],
+    ids=["embeds_alone", "mixed_with_token_ids"],
 )
-def test_prompt_embeds_requests_the_runner_cannot_serve_are_refused(inputs, params, refusal):
+def test_prompt_logprobs_of_positions_given_as_embeddings_are_refused(inputs):
     embeds = {"type": "embeds", "prompt_embeds": torch.zeros(3, 64), **inputs}
-    with pytest.raises(VLLMValidationError, match=refusal):
-        AotPlatform.validate_request(embeds, SamplingParams(**params))
+    AotPlatform.validate_request(embeds, SamplingParams(max_tokens=4))
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs need every prompt token's id"):
+        AotPlatform.validate_request(embeds, SamplingParams(prompt_logprobs=1))
 
 
 def test_int8_quantization_is_a_vllm_flag_that_reaches_the_runtime(tiny_model_dir):

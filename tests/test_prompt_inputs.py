@@ -52,7 +52,7 @@ def test_scored_tokens_have_the_logprobs_of_the_logits(model):
 
 def test_the_model_own_embeddings_as_inputs_give_the_token_prompt_logits(model):
     ids = PROMPT[:40]
-    embeds = model.weights.embed.rows(torch.tensor(ids), torch.float32)
+    embeds = model.embed(torch.tensor(ids))
     by_tokens = model.prefill_logits(PrefillChunk(ids, 0, [1, 2, 3]))
     by_embeds = model.prefill_logits(PrefillChunk([0] * len(ids), 0, [1, 2, 3], embeds))
     torch.testing.assert_close(by_embeds, by_tokens, atol=0, rtol=0)
@@ -68,16 +68,25 @@ class Engine:
         self.block_hasher = make_block_hasher(vllm_config)
         self.outputs: dict[str, list] = {}
 
-    def add(self, req_id: str, prompt=None, *, embeds=None, **params) -> None:
+    def add(self, req_id: str, prompt=None, *, embeds=None, is_token_ids=None, **params):
+        """A request of `prompt` (a length or token ids), or of `embeds` (with `prompt` token
+        ids where `is_token_ids`: a mixed prompt)."""
         params = SamplingParams(**({"max_tokens": 6, "temperature": 0} | params))
         if embeds is None:
             request = make_request(req_id, prompt, self.block_hasher, params)
         else:
             request = Request(
-                req_id, None, params, None, prompt_embeds=embeds, block_hasher=self.block_hasher
+                req_id,
+                prompt,
+                params,
+                None,
+                prompt_embeds=embeds,
+                prompt_is_token_ids=is_token_ids,
+                block_hasher=self.block_hasher,
             )
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
+        return request
 
     def run(self, max_steps: int = 100) -> None:
         for _ in range(max_steps):
@@ -151,13 +160,43 @@ def test_a_prompt_given_as_its_embeddings_generates_the_token_prompt_text(engine
     """The embeddings request is prefilled in chunks (100 tokens) and decodes in one batch with
     token prompts; its greedy tokens are those of the same prompt as token ids."""
     prompt = PROMPT[:100]
-    embeds = model.weights.embed.rows(torch.tensor(prompt), torch.float32)
+    embeds = model.embed(torch.tensor(prompt))
     engine.add("T", prompt, max_tokens=12)
     engine.add("A", 30, max_tokens=12)
     engine.add("E", embeds=embeds, max_tokens=12)
     engine.run()
     assert len(engine.tokens("E")) == 12
     assert engine.tokens("E") == engine.tokens("T")
+
+
+def test_a_prompt_mixing_token_ids_and_embeddings_generates_the_token_prompt_text(engine, model):
+    """Chat content parts: positions 10..29 given as embeddings (their ids a placeholder outside
+    the vocabulary, as vLLM's renderer sends them), the rest as token ids."""
+    prompt = PROMPT[:60]
+    is_token_ids = [not 10 <= i < 30 for i in range(60)]
+    ids = [t if is_token else 49152 for t, is_token in zip(prompt, is_token_ids, strict=True)]
+    embeds = torch.zeros(60, 64)
+    embeds[10:30] = model.embed(torch.tensor(prompt[10:30]))
+    engine.add("T", prompt, max_tokens=12)
+    engine.add("M", ids, embeds=embeds, is_token_ids=is_token_ids, max_tokens=12)
+    engine.run()
+    assert len(engine.tokens("M")) == 12
+    assert engine.tokens("M") == engine.tokens("T")
+
+
+def test_repeated_embeddings_hit_the_prefix_cache_and_generate_the_same(engine, model):
+    """vLLM hashes an embeddings prompt's blocks with its embeddings: the same ones again
+    start from cached blocks; the first chunk after them reads them."""
+    embeds = model.embed(torch.tensor(PROMPT[:100]))
+    engine.add("E1", embeds=embeds, max_tokens=8)
+    engine.run()
+    again = engine.add("E2", embeds=embeds.clone(), max_tokens=8)
+    num_cached = engine.scheduler.kv_cache_manager.get_computed_blocks(again)[1]
+    assert num_cached == 96  # whole blocks of 16
+    engine.run()
+    assert engine.tokens("E2") == engine.tokens("E1")
+    other = engine.add("E3", embeds=embeds + 0.01, max_tokens=8)  # same length, no hit
+    assert engine.scheduler.kv_cache_manager.get_computed_blocks(other)[1] == 0
 
 
 def test_embeddings_of_the_wrong_hidden_size_fail_alone(engine):

@@ -79,7 +79,7 @@ def test_prompt_embeds_generate_the_token_prompt_text_in_a_shared_batch(client, 
     """The model's own embeddings of 100 tokens, sent beside two token prompts: its greedy
     text is the token prompt's."""
     prompt = PROMPT[:100]
-    embeds = model.weights.embed.rows(torch.tensor(prompt), torch.float32)
+    embeds = model.embed(torch.tensor(prompt))
 
     def complete(**body):
         kwargs = dict(model="tiny", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
@@ -94,6 +94,36 @@ def test_prompt_embeds_generate_the_token_prompt_text_in_a_shared_batch(client, 
         by_embeds = pool.submit(complete, prompt_embeds=encoded(embeds))
         assert other.result()
         assert by_embeds.result() == by_tokens.result()
+
+
+def test_chat_with_an_embeddings_part_generates_what_its_tokens_would(client, model):
+    """A chat message of text and a `prompt_embeds` part (the model's own embeddings of 12
+    tokens): vLLM renders the part as placeholder ids; with those ids replaced by the 12 tokens,
+    the same prompt as token ids generates the same tokens."""
+    ids = PROMPT[:12]
+    content = [
+        {"type": "text", "text": "Tell me"},
+        {"type": "prompt_embeds", "data": encoded(model.embed(torch.tensor(ids)))},
+    ]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    rendered = chat.model_extra["prompt_token_ids"]
+    start = next(i for i, t in enumerate(rendered) if t >= model.arch.vocab_size)
+    assert rendered[start : start + 12] == [rendered[start]] * 12
+    as_tokens = rendered[:start] + ids + rendered[start + 12 :]
+    out = client.completions.create(
+        model="tiny",
+        prompt=as_tokens,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert chat.choices[0].model_extra["token_ids"] == out.choices[0].model_extra["token_ids"]
 
 
 @pytest.mark.parametrize(
@@ -116,7 +146,7 @@ def test_prompt_embeds_the_model_cannot_take_get_400(client, embeds, refusal):
 
 
 def test_bfloat16_prompt_embeds_are_cast_and_served(client, model):
-    embeds = model.weights.embed.rows(torch.tensor(PROMPT[:30]), torch.float32)
+    embeds = model.embed(torch.tensor(PROMPT[:30]))
     out = client.completions.create(
         model="tiny",
         prompt=None,
@@ -129,7 +159,7 @@ def test_bfloat16_prompt_embeds_are_cast_and_served(client, model):
 
 def test_prompt_logprobs_of_prompt_embeds_get_400(client, model):
     """vLLM's completions API refuses them itself (the platform does for other front ends)."""
-    embeds = model.weights.embed.rows(torch.tensor(PROMPT[:10]), torch.float32)
+    embeds = model.embed(torch.tensor(PROMPT[:10]))
     with pytest.raises(openai.BadRequestError, match="not compatible with prompt embeds"):
         client.completions.create(
             model="tiny",

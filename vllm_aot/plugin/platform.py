@@ -189,8 +189,8 @@ class AotPlatform(CpuPlatform):
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
         """Front-end check for what the compiled runtime cannot serve: logprobs of chosen token
-        ids (the head programs return the top-n), prompt logprobs of a prompt without token ids,
-        prompt embeddings mixed with token ids. A VLLMValidationError is HTTP 400; vLLM answers
+        ids (the head programs return the top-n), prompt logprobs of positions given as
+        embeddings. A VLLMValidationError is HTTP 400; vLLM answers
         any other exception here with a bare 500."""
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
@@ -212,14 +212,11 @@ class AotPlatform(CpuPlatform):
 def _refuse_embeds_request(processed_inputs, params, error: type[Exception]) -> None:
     """`error` (HTTP 400) for a prompt_embeds request the runner cannot serve. vLLM's loader
     has already checked the embeddings' shape against the model and cast them to its dtype."""
-    if processed_inputs.get("is_token_ids") is not None:
+    has_every_id = processed_inputs.get("prompt_token_ids") is not None
+    if params.prompt_logprobs is not None and not (
+        has_every_id and processed_inputs.get("is_token_ids") is None
+    ):
         raise error(
-            "vllm-aot does not serve prompt embeddings mixed with token ids (supported: a "
-            "prompt given wholly as prompt_embeds, or token ids)",
-            parameter="prompt_embeds",
-        )
-    if params.prompt_logprobs is not None and processed_inputs.get("prompt_token_ids") is None:
-        raise error(
-            "prompt_logprobs need the prompt's token ids; a prompt_embeds request has none",
+            "prompt_logprobs need every prompt token's id; prompt embeddings have none",
             parameter="prompt_logprobs",
         )

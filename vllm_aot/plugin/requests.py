@@ -9,8 +9,11 @@ lets through that the compiled model cannot serve fails that request alone
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import torch
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.core.sched.output import NewRequestData
 
@@ -48,6 +51,9 @@ def refuse_unservable(
     if new.prompt_embeds is not None:
         refuse_unservable_embeds(new, hidden_size=hidden_size)
     prompt_token_ids = new.prompt_token_ids or []
+    if new.prompt_is_token_ids is not None:  # its other positions hold a placeholder id
+        pairs = zip(prompt_token_ids, new.prompt_is_token_ids, strict=True)
+        prompt_token_ids = [t for t, is_token in pairs if is_token]
     outside = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if outside:
         raise RequestError(
@@ -65,8 +71,8 @@ def refuse_unservable(
 def refuse_unservable_prompt_logprobs(new: NewRequestData) -> None:
     """RequestError for prompt logprobs the runner cannot compute: every prompt position is
     scored as its chunk runs, so the prompt's token ids and all its positions are needed."""
-    if new.prompt_token_ids is None:
-        raise RequestError("prompt_logprobs need prompt token ids; prompt_embeds came without")
+    if new.prompt_token_ids is None or new.prompt_is_token_ids is not None:
+        raise RequestError("prompt_logprobs need every prompt token's id; prompt_embeds have none")
     if new.num_computed_tokens:
         raise RequestError(
             f"prompt_logprobs with {new.num_computed_tokens} prompt tokens from the prefix "
@@ -76,19 +82,42 @@ def refuse_unservable_prompt_logprobs(new: NewRequestData) -> None:
 
 def refuse_unservable_embeds(new: NewRequestData, *, hidden_size: int) -> None:
     """RequestError for prompt embeddings the layer programs cannot take: [prompt tokens,
-    hidden_size] floating point (cast to the model's dtype), the whole prompt (token ids sent
-    beside them are only read for prompt logprobs)."""
+    hidden_size] floating point (cast to the model's dtype)."""
     embeds = new.prompt_embeds
-    if new.prompt_is_token_ids is not None:
-        raise RequestError(
-            "prompt embeddings mixed with token ids are not supported (supported: a prompt "
-            "given wholly as prompt_embeds, or token ids)"
-        )
     if embeds.ndim != 2 or embeds.shape[1] != hidden_size or not embeds.is_floating_point():
         raise RequestError(
             f"prompt_embeds of shape {tuple(embeds.shape)} and dtype {embeds.dtype}: the model "
             f"takes [tokens, {hidden_size}] floating point"
         )
+
+
+class Prompt(NamedTuple):
+    """A request's prompt as the runtime takes it."""
+
+    token_ids: list[int]  # placeholders (0) at positions given as embeddings without ids
+    embeds: torch.Tensor | None  # [tokens, hidden] in the model's dtype, every position
+
+
+def prompt_of(
+    new: NewRequestData, *, embed: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+) -> Prompt:
+    """The prompt of a new request (checked by `refuse_unservable`). Embeddings cover every
+    position: a prompt mixing token ids and embeddings (`prompt_is_token_ids`, chat content
+    parts) gets its tokens' embeddings from `embed` (the model's lookup, [n] -> [n, hidden]),
+    so each request gives the layer programs one kind of input."""
+    token_ids, embeds = new.prompt_token_ids, new.prompt_embeds
+    if embeds is None:
+        return Prompt(list(token_ids), None)
+    embeds = embeds.to(dtype)
+    if token_ids is None:
+        return Prompt([0] * len(embeds), embeds)
+    is_token = new.prompt_is_token_ids
+    if is_token is None:
+        return Prompt(list(token_ids), embeds)
+    token_ids = [t if given else 0 for t, given in zip(token_ids, is_token, strict=True)]
+    rows = torch.tensor(is_token, dtype=torch.bool)[:, None]  # [tokens, 1]
+    own = embed(torch.tensor(token_ids, dtype=torch.int64)).to(dtype)
+    return Prompt(token_ids, torch.where(rows, own, embeds))
 
 
 def needs_logits_processing(params: VllmSamplingParams) -> bool:
@@ -123,12 +152,8 @@ class CachedRequest(RequestState):
         vocab_size,
         prompt_embeds=None,
     ) -> CachedRequest:
-        """The runner's state for a new request (the runner checks it with `refuse_unservable`).
-
-        A prompt given as `prompt_embeds` [tokens, hidden] (in the model's dtype) needs no
-        token ids: without them they are placeholders (0, as vLLM's own request holds them)."""
-        if prompt_token_ids is None:
-            prompt_token_ids = [0] * len(prompt_embeds)
+        """The runner's state for a new request (the runner checks it with `refuse_unservable`);
+        `prompt_token_ids` and `prompt_embeds` as `prompt_of` gives them."""
         return cls(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -34,7 +34,12 @@ from vllm.v1.outputs import (
 from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
 from vllm_aot.plugin.logits import resample
 from vllm_aot.plugin.prompt_logprobs import PromptLogprobs
-from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing, refuse_unservable
+from vllm_aot.plugin.requests import (
+    CachedRequest,
+    needs_logits_processing,
+    prompt_of,
+    refuse_unservable,
+)
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import is_prefilling
@@ -151,15 +156,15 @@ class AotModelRunner:
             num_logprobs=config.num_logprobs,
             hidden_size=arch.hidden_size,
         )
-        embeds = new.prompt_embeds
+        prompt = prompt_of(new, embed=self.model.embed, dtype=config.torch_dtype)
         request = CachedRequest.new(
             req_id=new.req_id,
-            prompt_token_ids=new.prompt_token_ids,
+            prompt_token_ids=prompt.token_ids,
             params=new.sampling_params,
             block_ids=new.block_ids[0],
             num_computed_tokens=new.num_computed_tokens,
             vocab_size=arch.vocab_size,
-            prompt_embeds=None if embeds is None else embeds.to(config.torch_dtype),
+            prompt_embeds=prompt.embeds,
         )
         self.prompt_logprobs.admit(request)
         return request

@@ -109,6 +109,10 @@ class CompiledModel:
         finally:
             self._tap = None
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup layer programs start from: [n] -> [n, hidden], model dtype."""
+        return self.weights.embed.rows(token_ids, self.config.torch_dtype)
+
     def _program(self, key: ProgramKey) -> Program:
         """The program for `key`, counted once per step; each call a named span when profiled."""
         self.num_executions[key] += 1
@@ -132,7 +136,7 @@ class CompiledModel:
         program = self._program(key)
         keys, values = [], []
         with self.spans("layers"):  # embedding and rotary included
-            hidden = self.weights.embed.rows(token_ids, self.config.torch_dtype)
+            hidden = self.embed(token_ids)
             if given is not None:
                 hidden = hidden.index_copy(0, given.rows, given.values.to(hidden.dtype))
             tap, real_positions = self._tap, positions[:num_real]
