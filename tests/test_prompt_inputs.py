@@ -199,9 +199,14 @@ def test_repeated_embeddings_hit_the_prefix_cache_and_generate_the_same(engine, 
     assert engine.scheduler.kv_cache_manager.get_computed_blocks(other)[1] == 0
 
 
-def test_embeddings_of_the_wrong_hidden_size_fail_alone(engine):
+@pytest.mark.parametrize(
+    "embeds",
+    [torch.zeros(12, 32), torch.full((12, 64), float("nan"))],
+    ids=["hidden_size", "nan"],
+)
+def test_embeddings_the_model_cannot_take_fail_alone(engine, embeds):
     engine.add("A", 30)
-    engine.add("E", embeds=torch.zeros(12, 32))
+    engine.add("E", embeds=embeds)
     engine.run()
     assert engine.finish_reason("E") is FinishReason.ERROR
     assert len(engine.tokens("A")) == 6

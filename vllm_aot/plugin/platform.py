@@ -190,8 +190,8 @@ class AotPlatform(CpuPlatform):
     def validate_request(cls, processed_inputs, params) -> None:
         """Front-end check for what the compiled runtime cannot serve: logprobs of chosen token
         ids (the head programs return the top-n), prompt logprobs of positions given as
-        embeddings. A VLLMValidationError is HTTP 400; vLLM answers
-        any other exception here with a bare 500."""
+        embeddings. A VLLMValidationError is HTTP 400; vLLM answers any other exception here
+        with a bare 500."""
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 

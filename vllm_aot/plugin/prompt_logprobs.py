@@ -62,9 +62,6 @@ class PromptLogprobs:
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
-    def wants(self, req_id: str) -> bool:
-        return req_id in self._requests
-
     def score_step(
         self, model: CompiledModel, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor
     ) -> dict[str, LogprobsTensors]:

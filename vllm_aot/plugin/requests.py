@@ -82,13 +82,15 @@ def refuse_unservable_prompt_logprobs(new: NewRequestData) -> None:
 
 def refuse_unservable_embeds(new: NewRequestData, *, hidden_size: int) -> None:
     """RequestError for prompt embeddings the layer programs cannot take: [prompt tokens,
-    hidden_size] floating point (cast to the model's dtype)."""
+    hidden_size] finite floating point (cast to the model's dtype)."""
     embeds = new.prompt_embeds
     if embeds.ndim != 2 or embeds.shape[1] != hidden_size or not embeds.is_floating_point():
         raise RequestError(
             f"prompt_embeds of shape {tuple(embeds.shape)} and dtype {embeds.dtype}: the model "
             f"takes [tokens, {hidden_size}] floating point"
         )
+    if not torch.isfinite(embeds).all():
+        raise RequestError("prompt_embeds hold NaN or infinite values")
 
 
 class Prompt(NamedTuple):
