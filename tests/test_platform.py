@@ -41,6 +41,10 @@ def engine_config(model_dir, **flags):
             "context parallelism (supported: 1)",
         ),
         ({"logprobs_mode": "processed_logprobs"}, "(supported: raw_logprobs)"),
+        (
+            {"logits_processors": ["vllm.v1.sample.logits_processor.MinPLogitsProcessor"]},
+            "--logits-processors (supported: vLLM's sampling parameters",
+        ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
 )

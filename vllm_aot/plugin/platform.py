@@ -53,6 +53,11 @@ def _refuse_unsupported(vllm_config) -> None:
         )
     if model_config.is_multimodal_model:
         problems.append("multimodal models")
+    if model_config.logits_processors:
+        problems.append(
+            "--logits-processors (supported: vLLM's sampling parameters, penalties, bias, "
+            "min_tokens, bad words, allowed tokens)"
+        )
     dtype = str(model_config.dtype).removeprefix("torch.")
     if vllm_config.cache_config.cache_dtype not in ("auto", dtype, *FP8_KV_CACHE_DTYPES):
         problems.append(
