@@ -140,6 +140,20 @@ def test_prompt_logprobs_across_chunks_are_the_teacher_forced_ones(engine, model
     assert (ids[:, 1:].long() == reference.topk(5, dim=-1).indices).float().mean() > 0.99
 
 
+def test_prompt_logprobs_of_a_cached_prompt_score_every_position(engine, model):
+    """vLLM's requests with prompt logprobs skip reading the prefix cache: a prompt served just
+    before is computed again, and every position is scored."""
+    prompt = PROMPT[:40]
+    engine.add("T", prompt)
+    engine.run()
+    engine.add("P", prompt, prompt_logprobs=1)
+    engine.run()
+    table = engine.outputs["P"][0].new_prompt_logprobs_tensors
+    expected = torch.log_softmax(our_logits(model, prompt)[:-1], dim=-1)
+    wanted = expected.gather(1, torch.tensor(prompt[1:])[:, None])
+    torch.testing.assert_close(table.logprobs[:, :1], wanted, atol=1e-4, rtol=0)
+
+
 def test_a_one_token_prompt_has_no_prompt_logprobs(engine):
     engine.add("P", [504], prompt_logprobs=2)
     engine.run()
