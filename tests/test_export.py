@@ -105,6 +105,20 @@ def test_exported_directory_loads_without_compiling_and_matches_eager(exported, 
         atol=1e-4,
         rtol=1e-4,
     )
+    # prompt logprobs: the compiled head (its logprob kernel) scores given tokens as eager does
+    hidden = eager.forward_prefill([PrefillChunk(ids, 0, [1, 2, 3])]).tokens[:-1]
+    ours, reference = compiled.score(hidden, ids[1:]), eager.score(hidden, ids[1:])
+    assert ours.tokens.tolist() == ids[1:]
+    torch.testing.assert_close(ours.token_logprobs, reference.token_logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.top_logprobs, reference.top_logprobs, atol=1e-4, rtol=0)
+    # prompt embeddings: the model's own, through the compiled layer programs
+    embeds = compiled.embed(torch.tensor(ids))
+    torch.testing.assert_close(
+        compiled.prefill_logits(PrefillChunk([0] * len(ids), 0, [1, 2, 3], embeds)),
+        compiled.prefill_logits(PrefillChunk(ids, 0, [1, 2, 3])),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_loading_for_another_configuration_is_refused(exported):

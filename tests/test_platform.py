@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
@@ -30,7 +31,6 @@ def engine_config(model_dir, **flags):
             "float32; fp8, fp8_e4m3, fp8_e5m2)",
         ),
         ({"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype fp8_inc (supported: auto"),
-        ({"enable_prompt_embeds": True}, "--enable-prompt-embeds (token prompts only)"),
         (
             {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
             "--kv-transfer-config (no KV connectors)",
@@ -41,6 +41,10 @@ def engine_config(model_dir, **flags):
             "context parallelism (supported: 1)",
         ),
         ({"logprobs_mode": "processed_logprobs"}, "(supported: raw_logprobs)"),
+        (
+            {"logits_processors": ["vllm.v1.sample.logits_processor.MinPLogitsProcessor"]},
+            "--logits-processors (supported: vLLM's sampling parameters",
+        ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
 )
@@ -103,7 +107,7 @@ def test_a_lower_max_logprobs_stays(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "params",
-    [{"prompt_logprobs": 1}, {"prompt_logprob_token_ids": [[1, 2]]}, {"logprob_token_ids": [1, 2]}],
+    [{"prompt_logprob_token_ids": [[1, 2]]}, {"logprob_token_ids": [1, 2]}],
     ids=lambda params: next(iter(params)),
 )
 def test_logprobs_the_head_does_not_compute_are_refused_in_the_front_end(params):
@@ -111,6 +115,26 @@ def test_logprobs_the_head_does_not_compute_are_refused_in_the_front_end(params)
     (name,) = params
     with pytest.raises(VLLMValidationError, match=f"vllm-aot does not return {name}"):
         AotPlatform.validate_request({"type": "token"}, SamplingParams(**params))
+
+
+def test_prompt_logprobs_and_prompt_embeds_pass_the_front_end(tiny_model_dir):
+    config = engine_config(tiny_model_dir, enable_prompt_embeds=True)
+    assert config.model_config.enable_prompt_embeds
+    AotPlatform.validate_request({"type": "token"}, SamplingParams(prompt_logprobs=5))
+    embeds = {"type": "embeds", "prompt_embeds": torch.zeros(3, 64)}
+    AotPlatform.validate_request(embeds, SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [{}, {"prompt_token_ids": [5, 0, 0], "is_token_ids": [True, False, False]}],
+    ids=["embeds_alone", "mixed_with_token_ids"],
+)
+def test_prompt_logprobs_of_positions_given_as_embeddings_are_refused(inputs):
+    embeds = {"type": "embeds", "prompt_embeds": torch.zeros(3, 64), **inputs}
+    AotPlatform.validate_request(embeds, SamplingParams(max_tokens=4))
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs need every prompt token's id"):
+        AotPlatform.validate_request(embeds, SamplingParams(prompt_logprobs=1))
 
 
 def test_int8_quantization_is_a_vllm_flag_that_reaches_the_runtime(tiny_model_dir):

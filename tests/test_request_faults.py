@@ -75,6 +75,7 @@ POISONS = {
     # what --max-logprobs -1 let through before the platform capped it at the head's 20
     "more_logprobs_than_the_head": (12, {"logprobs": 50}),
     "logprobs_of_the_whole_vocabulary": (12, {"logprobs": -1}),
+    "more_prompt_logprobs_than_the_head": (12, {"prompt_logprobs": 50}),
 }
 
 
@@ -90,12 +91,12 @@ def test_a_request_the_model_cannot_serve_fails_alone(engine, poison):
     assert_served_around(engine, "P", ["A", "B"], free_before)
 
 
-def test_a_prompt_given_as_embeddings_fails_alone(engine):
-    """Refused at start-up (--enable-prompt-embeds); were one to arrive, it fails alone."""
+def test_prompt_embeddings_of_the_wrong_hidden_size_fail_alone(engine):
+    """The tiny model's hidden size is 64; vLLM's offline path does not check it."""
     free_before = engine.num_free_blocks
     engine.add("A", 40)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    embeds = Request("P", None, params, None, prompt_embeds=torch.zeros(12, 64))
+    embeds = Request("P", None, params, None, prompt_embeds=torch.zeros(12, 48))
     engine.scheduler.add_request(embeds)
     engine.run()
     assert_served_around(engine, "P", ["A"], free_before)

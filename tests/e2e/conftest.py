@@ -26,6 +26,7 @@ SERVER_ARGS = [
     "--served-model-name",
     "tiny",
     *SHAPE_ARGS,
+    "--enable-prompt-embeds",
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",

@@ -82,7 +82,11 @@ def test_a_prompt_outside_the_vocabulary_fails_alone_while_a_stream_flows(lenien
 def test_requests_over_the_compiled_limits_get_400_and_the_engine_serves_on(client):
     refused = [
         ({"logprobs": 21}, "max allowed: 20"),
-        ({"extra_body": {"prompt_logprobs": 1}}, "does not return prompt_logprobs"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "max allowed: 20"),
+        (
+            {"extra_body": {"logprob_token_ids": [1], "logprobs": 1}},
+            "does not return logprob_token",
+        ),
     ]
     for params, message in refused:
         with pytest.raises(openai.BadRequestError, match=message):

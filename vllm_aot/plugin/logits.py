@@ -56,7 +56,8 @@ def process_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor
         if 0 <= int(token) < vocab_size:
             out[int(token)] += bias
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(request.prompt_token_ids + outputs, dtype=torch.int64).unique()
+        prompt = request.prompt_token_ids if request.prompt_embeds is None else []
+        seen = torch.tensor(prompt + outputs, dtype=torch.int64).unique()
         values = out[seen]
         penalty = params.repetition_penalty
         out[seen] = torch.where(values > 0, values / penalty, values * penalty)

@@ -54,8 +54,11 @@ def _refuse_unsupported(vllm_config) -> None:
         )
     if model_config.is_multimodal_model:
         problems.append("multimodal models")
-    if model_config.enable_prompt_embeds:
-        problems.append("--enable-prompt-embeds (token prompts only)")
+    if model_config.logits_processors:
+        problems.append(
+            "--logits-processors (supported: vLLM's sampling parameters, penalties, bias, "
+            "min_tokens, bad words, allowed tokens)"
+        )
     dtype = str(model_config.dtype).removeprefix("torch.")
     if vllm_config.cache_config.cache_dtype not in ("auto", dtype, *FP8_KV_CACHE_DTYPES):
         problems.append(
@@ -194,19 +197,35 @@ class AotPlatform(CpuPlatform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Front-end check for what the compiled runtime cannot serve: logprobs of the prompt,
-        or of chosen token ids (the head programs return the top-n). A VLLMValidationError is
-        HTTP 400; vLLM answers any other exception here with a bare 500."""
+        """Front-end check for what the compiled runtime cannot serve: logprobs of chosen token
+        ids (the head programs return the top-n), prompt logprobs of positions given as
+        embeddings. A VLLMValidationError is HTTP 400; vLLM answers any other exception here
+        with a bare 500."""
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
         if not isinstance(params, SamplingParams):
             return super().validate_request(processed_inputs, params)
-        for name in ("prompt_logprobs", "prompt_logprob_token_ids", "logprob_token_ids"):
+        for name in ("prompt_logprob_token_ids", "logprob_token_ids"):
             if getattr(params, name) is not None:
                 raise VLLMValidationError(
                     f"vllm-aot does not return {name}; it returns the top-n logprobs of "
-                    "generated tokens (logprobs=n)",
+                    "generated and prompt tokens (logprobs=n, prompt_logprobs=n)",
                     parameter=name,
                 )
+        if processed_inputs.get("type") == "embeds":
+            _refuse_embeds_request(processed_inputs, params, VLLMValidationError)
         super().validate_request(processed_inputs, params)
+
+
+def _refuse_embeds_request(processed_inputs, params, error: type[Exception]) -> None:
+    """`error` (HTTP 400) for a prompt_embeds request the runner cannot serve. vLLM's loader
+    has already checked the embeddings' shape against the model and cast them to its dtype."""
+    has_every_id = processed_inputs.get("prompt_token_ids") is not None
+    if params.prompt_logprobs is not None and not (
+        has_every_id and processed_inputs.get("is_token_ids") is None
+    ):
+        raise error(
+            "prompt_logprobs need every prompt token's id; prompt embeddings have none",
+            parameter="prompt_logprobs",
+        )

@@ -1,15 +1,19 @@
 """What the runner remembers per request, because the scheduler does not resend it.
 
 `CachedRequest` is the runtime's `RequestState` (prompt, generated tokens, computed tokens,
-block table, sampling and seed) with vLLM's sampling parameters beside it. A request is checked
-once, when it arrives (`refuse_unservable`): what the front end lets through that the compiled
-model cannot serve fails that request alone (`faults.RequestError`).
+block table, sampling and seed, a prompt given as embeddings) with vLLM's sampling parameters
+beside it. A request is checked once, when it arrives (`refuse_unservable`): what the front end
+lets through that the compiled model cannot serve fails that request alone
+(`faults.RequestError`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import torch
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.core.sched.output import NewRequestData
 
@@ -31,29 +35,91 @@ def to_runtime_params(params: VllmSamplingParams, vocab_size: int) -> SamplingPa
     ).normalized()
 
 
-def refuse_unservable(new: NewRequestData, *, vocab_size: int, num_logprobs: int) -> None:
+def refuse_unservable(
+    new: NewRequestData, *, vocab_size: int, num_logprobs: int, hidden_size: int
+) -> None:
     """RequestError for a request the front end accepted that the compiled model cannot serve.
 
     vLLM's front end checks most of this; it cannot when the tokenizer is skipped
     (`--skip-tokenizer-init`: token ids unchecked) or knows a larger vocabulary than the
-    model's, and a platform that allowed more logprobs than the head computes would let them
-    through.
+    model's, a platform that allowed more logprobs than the head computes would let them
+    through, and offline prompt embeddings reach the engine with their shape unchecked.
     """
-    prompt_token_ids, params = new.prompt_token_ids, new.sampling_params
-    if prompt_token_ids is None or new.prompt_embeds is not None:
-        raise RequestError("vllm-aot serves token prompts only, not prompt embeddings")
+    params = new.sampling_params
     if params is None:
         raise RequestError("vllm-aot serves generation requests only")
+    if new.prompt_embeds is not None:
+        refuse_unservable_embeds(new, hidden_size=hidden_size)
+    prompt_token_ids = new.prompt_token_ids or []
+    if new.prompt_is_token_ids is not None:  # its other positions hold a placeholder id
+        pairs = zip(prompt_token_ids, new.prompt_is_token_ids, strict=True)
+        prompt_token_ids = [t for t, is_token in pairs if is_token]
     outside = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if outside:
         raise RequestError(
             f"prompt token ids {outside[:5]} are outside the model's vocabulary "
             f"(0..{vocab_size - 1})"
         )
-    if params.logprobs is not None and not 0 <= params.logprobs <= num_logprobs:
+    for name in ("logprobs", "prompt_logprobs"):
+        count = getattr(params, name)
+        if count is not None and not 0 <= count <= num_logprobs:
+            raise RequestError(f"{name}={count}: the head programs return at most {num_logprobs}")
+    if params.prompt_logprobs is not None:
+        refuse_unservable_prompt_logprobs(new)
+
+
+def refuse_unservable_prompt_logprobs(new: NewRequestData) -> None:
+    """RequestError for prompt logprobs the runner cannot compute: every prompt position is
+    scored as its chunk runs, so the prompt's token ids and all its positions are needed."""
+    if new.prompt_token_ids is None or new.prompt_is_token_ids is not None:
+        raise RequestError("prompt_logprobs need every prompt token's id; prompt_embeds have none")
+    if new.num_computed_tokens:
         raise RequestError(
-            f"logprobs={params.logprobs}: the head programs return at most {num_logprobs}"
+            f"prompt_logprobs with {new.num_computed_tokens} prompt tokens from the prefix "
+            "cache, whose hidden states are gone; leave skip_reading_prefix_cache unset"
         )
+
+
+def refuse_unservable_embeds(new: NewRequestData, *, hidden_size: int) -> None:
+    """RequestError for prompt embeddings the layer programs cannot take: [prompt tokens,
+    hidden_size] finite floating point (cast to the model's dtype)."""
+    embeds = new.prompt_embeds
+    if embeds.ndim != 2 or embeds.shape[1] != hidden_size or not embeds.is_floating_point():
+        raise RequestError(
+            f"prompt_embeds of shape {tuple(embeds.shape)} and dtype {embeds.dtype}: the model "
+            f"takes [tokens, {hidden_size}] floating point"
+        )
+    if not torch.isfinite(embeds).all():
+        raise RequestError("prompt_embeds hold NaN or infinite values")
+
+
+class Prompt(NamedTuple):
+    """A request's prompt as the runtime takes it."""
+
+    token_ids: list[int]  # placeholders (0) at positions given as embeddings without ids
+    embeds: torch.Tensor | None  # [tokens, hidden] in the model's dtype, every position
+
+
+def prompt_of(
+    new: NewRequestData, *, embed: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+) -> Prompt:
+    """The prompt of a new request (checked by `refuse_unservable`). Embeddings cover every
+    position: a prompt mixing token ids and embeddings (`prompt_is_token_ids`, chat content
+    parts) gets its tokens' embeddings from `embed` (the model's lookup, [n] -> [n, hidden]),
+    so each request gives the layer programs one kind of input."""
+    token_ids, embeds = new.prompt_token_ids, new.prompt_embeds
+    if embeds is None:
+        return Prompt(list(token_ids), None)
+    embeds = embeds.to(dtype)
+    if token_ids is None:
+        return Prompt([0] * len(embeds), embeds)
+    is_token = new.prompt_is_token_ids
+    if is_token is None:
+        return Prompt(list(token_ids), embeds)
+    token_ids = [t if given else 0 for t, given in zip(token_ids, is_token, strict=True)]
+    rows = torch.tensor(is_token, dtype=torch.bool)[:, None]  # [tokens, 1]
+    own = embed(torch.tensor(token_ids, dtype=torch.int64)).to(dtype)
+    return Prompt(token_ids, torch.where(rows, own, embeds))
 
 
 def needs_logits_processing(params: VllmSamplingParams) -> bool:
@@ -78,9 +144,18 @@ class CachedRequest(RequestState):
 
     @classmethod
     def new(
-        cls, *, req_id, prompt_token_ids, params, block_ids, num_computed_tokens, vocab_size
+        cls,
+        *,
+        req_id,
+        prompt_token_ids,
+        params,
+        block_ids,
+        num_computed_tokens,
+        vocab_size,
+        prompt_embeds=None,
     ) -> CachedRequest:
-        """The runner's state for a new request (the runner checks it with `refuse_unservable`)."""
+        """The runner's state for a new request (the runner checks it with `refuse_unservable`);
+        `prompt_token_ids` and `prompt_embeds` as `prompt_of` gives them."""
         return cls(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -90,4 +165,5 @@ class CachedRequest(RequestState):
             seed=params.seed if params.seed is not None else draw_seed(),
             block_table=list(block_ids),
             num_computed_tokens=num_computed_tokens,
+            prompt_embeds=prompt_embeds,
         )

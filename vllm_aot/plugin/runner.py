@@ -24,11 +24,22 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 
 from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
 from vllm_aot.plugin.logits import resample
-from vllm_aot.plugin.requests import CachedRequest, needs_logits_processing, refuse_unservable
+from vllm_aot.plugin.prompt_logprobs import PromptLogprobs
+from vllm_aot.plugin.requests import (
+    CachedRequest,
+    needs_logits_processing,
+    prompt_of,
+    refuse_unservable,
+)
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import is_prefilling
@@ -72,6 +83,7 @@ class LayerOutput:
 
     rows: tuple[ScheduledRow, ...]
     hidden: torch.Tensor  # [row bucket, hidden]
+    tokens: torch.Tensor | None = None  # [step tokens, hidden]: a prefill step's every token
 
 
 @dataclass
@@ -87,6 +99,7 @@ class AotModelRunner:
     def __init__(self, model: CompiledModel) -> None:
         self.model = model
         self.requests: dict[str, CachedRequest] = {}
+        self.prompt_logprobs = PromptLogprobs()  # requests whose prompt logprobs are in progress
         self._pending: PendingStep | None = None
 
     def _fail(self, exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
@@ -101,6 +114,7 @@ class AotModelRunner:
         )
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.forget(req_id)
             failed[req_id] = reason
 
     # -- state ------------------------------------------------------------------------------
@@ -110,6 +124,7 @@ class AotModelRunner:
         served are left out and returned (req_id -> reason)."""
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.forget(req_id)
         failed: dict[str, str] = {}
         for new in out.scheduled_new_reqs:
             try:
@@ -136,16 +151,25 @@ class AotModelRunner:
 
     def _admit(self, new: NewRequestData) -> CachedRequest:
         """A new request's state; RequestError when the compiled model cannot serve it."""
-        vocab_size = self.model.arch.vocab_size
-        refuse_unservable(new, vocab_size=vocab_size, num_logprobs=self.model.config.num_logprobs)
-        return CachedRequest.new(
+        arch, config = self.model.arch, self.model.config
+        refuse_unservable(
+            new,
+            vocab_size=arch.vocab_size,
+            num_logprobs=config.num_logprobs,
+            hidden_size=arch.hidden_size,
+        )
+        prompt = prompt_of(new, embed=self.model.embed, dtype=config.torch_dtype)
+        request = CachedRequest.new(
             req_id=new.req_id,
-            prompt_token_ids=new.prompt_token_ids,
+            prompt_token_ids=prompt.token_ids,
             params=new.sampling_params,
             block_ids=new.block_ids[0],
             num_computed_tokens=new.num_computed_tokens,
-            vocab_size=vocab_size,
+            vocab_size=arch.vocab_size,
+            prompt_embeds=prompt.embeds,
         )
+        self.prompt_logprobs.admit(request)
+        return request
 
     # -- execution --------------------------------------------------------------------------
 
@@ -185,10 +209,9 @@ class AotModelRunner:
             decode_rows = [
                 DecodeRow(r.request.token(r.start), r.start, r.request.block_table) for r in rows
             ]
-            hidden = self.model.forward_decode(decode_rows)
-        else:
-            hidden = self.model.forward_prefill([self._prefill_chunk(rows)])
-        return LayerOutput(tuple(rows), hidden)
+            return LayerOutput(tuple(rows), self.model.forward_decode(decode_rows))
+        prefill = self.model.forward_prefill([self._prefill_chunk(rows)])
+        return LayerOutput(tuple(rows), prefill.last, prefill.tokens)
 
     def _prefill_chunk(self, rows: Sequence[ScheduledRow]) -> PrefillChunk:
         """A prefill step's one chunk: AotScheduler schedules one that fits a prefill program."""
@@ -211,13 +234,17 @@ class AotModelRunner:
         step, self._pending = self._pending, None
         masks = _grammar_masks(grammar_output)
         sampled: dict[str, Sampled] = {}
+        prompt_logprobs: dict[str, LogprobsTensors] = {}
         for layer in step.layers:
             try:
+                if layer.tokens is not None:
+                    scored = self.prompt_logprobs.score_step(self.model, layer.rows, layer.tokens)
+                    prompt_logprobs.update(scored)
                 sampled.update(self._sample_layer(layer, masks, step.failed))
             except Exception as exc:
                 self._fail(exc, [r.request.req_id for r in layer.rows], step.failed)
         with self.model.spans("runner_output"):
-            return self._runner_output(step.req_ids, sampled, step.failed)
+            return self._runner_output(step.req_ids, sampled, step.failed, prompt_logprobs)
 
     def _sample_layer(
         self, layer: LayerOutput, masks: dict[str, torch.Tensor], failed: dict[str, str]
@@ -252,10 +279,15 @@ class AotModelRunner:
         return sampled
 
     def _runner_output(
-        self, req_ids: Sequence[str], sampled: dict[str, Sampled], failed: dict[str, str]
+        self,
+        req_ids: Sequence[str],
+        sampled: dict[str, Sampled],
+        failed: dict[str, str],
+        prompt_logprobs: dict[str, LogprobsTensors] | None = None,
     ) -> AotRunnerOutput:
         """Tokens for the sampled requests (none for a chunk that does not end its prompt, or a
-        request that failed), their logprobs, and the failures."""
+        request that failed), their logprobs, the prompt logprobs of prompts ending here, and
+        the failures."""
         tokens = []
         for req_id in req_ids:
             entry = sampled.get(req_id)
@@ -269,6 +301,9 @@ class AotModelRunner:
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=tokens,
             logprobs=_logprobs([sampled.get(rid) for rid in req_ids]),
+            prompt_logprobs_dict={
+                rid: table for rid, table in (prompt_logprobs or {}).items() if rid not in failed
+            },
             failed_requests=failed,
         )
 

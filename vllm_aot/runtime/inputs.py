@@ -31,6 +31,9 @@ class PrefillChunk:
     token_ids: Sequence[int]
     num_cached: int  # tokens of this sequence already in the KV cache (prefix hit, earlier chunk)
     block_table: Sequence[int]  # covers num_cached + len(token_ids) tokens
+    # [k <= tokens, hidden]: the first k tokens' inputs, given in place of their embeddings
+    # (a prompt given as embeddings; token_ids hold placeholders there)
+    embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,13 @@ class RowSampling:
     vocab_mask: torch.Tensor | None = None  # [ceil(vocab / 32)] int32, None = all allowed
 
 
+class GivenEmbeds(NamedTuple):
+    """Step tokens whose inputs are given embeddings instead of their token's embedding."""
+
+    rows: torch.Tensor  # [k] int64: token rows of the step
+    values: torch.Tensor  # [k, hidden]
+
+
 class PrefillInputs(NamedTuple):
     key: ProgramKey  # prefill_t{tokens}_c{ctx_blocks * block_size}
     num_rows: int  # the head's row bucket: chunks, padded
@@ -61,6 +71,7 @@ class PrefillInputs(NamedTuple):
     context_block_ids: torch.Tensor  # [ctx_blocks]
     attn_mask: torch.Tensor  # [tokens, ctx_blocks * block_size + tokens] bool
     logits_indices: torch.Tensor  # [rows]: last token of each chunk
+    given_embeds: GivenEmbeds | None = None  # None: every token's input is its embedding
 
 
 class DecodeInputs(NamedTuple):
@@ -154,7 +165,22 @@ def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Pr
         context_block_ids=torch.tensor(ctx_blocks, dtype=torch.int64),
         attn_mask=_prefill_mask(torch.tensor(q_seq), positions_t, key_seq, key_pos),
         logits_indices=torch.tensor(logits_indices),
+        given_embeds=_given_embeds(chunks),
     )
+
+
+def _given_embeds(chunks: Sequence[PrefillChunk]) -> GivenEmbeds | None:
+    """The packed step's rows that take given embeddings (`PrefillChunk.embeds`), if any."""
+    rows, values, offset = [], [], 0
+    for chunk in chunks:
+        if chunk.embeds is not None:
+            assert len(chunk.embeds) <= len(chunk.token_ids), "embeddings beyond the chunk"
+            rows += range(offset, offset + len(chunk.embeds))
+            values.append(chunk.embeds)
+        offset += len(chunk.token_ids)
+    if not values:
+        return None
+    return GivenEmbeds(torch.tensor(rows, dtype=torch.int64), torch.cat(values))
 
 
 def _prefill_mask(q_seq: torch.Tensor, positions: torch.Tensor, key_seq, key_pos) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -28,9 +28,11 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.models.layers import rotary_cos_sin
 from vllm_aot.models.weights import ModelWeights
 from vllm_aot.runtime.backends import Program
+from vllm_aot.runtime.buckets import fitting_bucket
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import (
     DecodeRow,
+    GivenEmbeds,
     PrefillChunk,
     RowSampling,
     prepare_decode,
@@ -40,7 +42,7 @@ from vllm_aot.runtime.inputs import (
 from vllm_aot.runtime.kv_cache import KVCache
 from vllm_aot.runtime.profiling import Spans
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
-from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, all_greedy
+from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, all_greedy, token_mask
 from vllm_aot.runtime.step_stats import StepStats
 
 
@@ -59,6 +61,13 @@ class Tap(Protocol):
     def __call__(
         self, *, name: str, tensor: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+class PrefillHidden(NamedTuple):
+    """A prefill step's final hidden states (before the final norm)."""
+
+    last: torch.Tensor  # [row bucket, hidden]: each chunk's last token, the head's rows
+    tokens: torch.Tensor  # [real tokens, hidden]: every chunk's tokens, packed in chunk order
 
 
 class CompiledModel:
@@ -100,6 +109,10 @@ class CompiledModel:
         finally:
             self._tap = None
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup layer programs start from: [n] -> [n, hidden], model dtype."""
+        return self.weights.embed.rows(token_ids, self.config.torch_dtype)
+
     def _program(self, key: ProgramKey) -> Program:
         """The program for `key`, counted once per step; each call a named span when profiled."""
         self.num_executions[key] += 1
@@ -113,15 +126,19 @@ class CompiledModel:
         slot_mapping: torch.Tensor,
         context: tuple[torch.Tensor, torch.Tensor],
         num_real: int,
+        given: GivenEmbeds | None = None,
     ) -> torch.Tensor:
-        """Embed, run every layer through the one program for this bucket; [tokens, hidden].
+        """Embed (or take the `given` embeddings), run every layer through the one program for
+        this bucket; [tokens, hidden].
 
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
         program = self._program(key)
         keys, values = [], []
         with self.spans("layers"):  # embedding and rotary included
-            hidden = self.weights.embed.rows(token_ids, self.config.torch_dtype)
+            hidden = self.embed(token_ids)
+            if given is not None:
+                hidden = hidden.index_copy(0, given.rows, given.values.to(hidden.dtype))
             tap, real_positions = self._tap, positions[:num_real]
             if tap is not None:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
@@ -179,14 +196,22 @@ class CompiledModel:
         )
         context = (inputs.context_block_ids, inputs.attn_mask)
         hidden = self._run_layers(
-            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, num_real
+            key,
+            inputs.token_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            context,
+            num_real,
+            inputs.given_embeds,
         )
         return hidden, inputs
 
-    def forward_prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
-        """Layers of a prefill step; each chunk's last hidden state, [row bucket, hidden]."""
+    def forward_prefill(self, chunks: Sequence[PrefillChunk]) -> PrefillHidden:
+        """Layers of a prefill step; each chunk's last hidden state (the head's rows) and every
+        token's (prompt logprobs)."""
         hidden, inputs = self._prefill_layers(chunks)
-        return hidden[inputs.logits_indices]
+        num_real = sum(len(c.token_ids) for c in chunks)
+        return PrefillHidden(hidden[inputs.logits_indices], hidden[:num_real])
 
     def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Layers of a decode step; [row bucket, hidden]."""
@@ -212,25 +237,42 @@ class CompiledModel:
     ) -> SamplerOutput:
         """Run a prefill step; one sampled row per chunk (its last token)."""
         assert len(chunks) == len(sampling), "one sampling row per chunk"
-        return self.sample(self.forward_prefill(chunks), sampling)
+        return self.sample(self.forward_prefill(chunks).last, sampling)
 
     def decode(self, rows: Sequence[DecodeRow], sampling: Sequence[RowSampling]) -> SamplerOutput:
         """Run a decode step: one new token per row."""
         assert len(rows) == len(sampling), "one sampling row per decode row"
         return self.sample(self.forward_decode(rows), sampling)
 
+    def head_rows(self, hidden: torch.Tensor, sampling: Sequence[RowSampling]) -> SamplerOutput:
+        """Head programs over any number of rows, hidden [n, hidden]: slices of the largest row
+        bucket, the last padded to the smallest that fits; outputs for the n rows."""
+        assert len(sampling) == hidden.shape[0], "one sampling row per hidden row"
+        largest = max(self.config.head_row_buckets)
+        parts = []
+        for start in range(0, hidden.shape[0], largest):
+            part = hidden[start : start + largest]
+            num_rows = fitting_bucket(self.config.head_row_buckets, part.shape[0])
+            padded = part.new_zeros(num_rows, part.shape[1])
+            padded[: part.shape[0]] = part
+            parts.append(self.sample(padded, sampling[start : start + largest]))
+        return SamplerOutput(*(torch.cat(field) for field in zip(*parts, strict=True)))
+
+    def score(self, hidden: torch.Tensor, token_ids: Sequence[int]) -> SamplerOutput:
+        """The raw logprob and 1-based rank of `token_ids[i]` after row i of hidden [n, hidden],
+        with the top-n, as generation returns them for a sampled token (prompt logprobs).
+
+        The greedy head programs run with each row's vocabulary narrowed to its token, so the
+        token they pick is the given one; their logprob statistics describe the raw logits,
+        before the mask."""
+        vocab_size = self.arch.vocab_size
+        sampling = [RowSampling(GREEDY, 0, 0, token_mask(t, vocab_size)) for t in token_ids]
+        return self.head_rows(hidden, sampling)
+
     def prefill_logits(self, chunk: PrefillChunk) -> torch.Tensor:
         """Logits at every position of one chunk, [tokens, vocab] float32 (for validation).
 
         Runs the same layer and head programs a prefill step runs, the head over slices of rows.
         """
-        hidden = self._prefill_layers([chunk])[0][: len(chunk.token_ids)]
-        rows = max(self.config.head_row_buckets)
-        logits = []
-        for start in range(0, hidden.shape[0], rows):
-            part = hidden[start : start + rows]
-            padded = torch.zeros(rows, part.shape[1], dtype=part.dtype)
-            padded[: part.shape[0]] = part
-            sampling = [RowSampling(GREEDY, 0, 0)] * part.shape[0]
-            logits.append(self.sample(padded, sampling).logits)
-        return torch.cat(logits)
+        hidden = self.forward_prefill([chunk]).tokens
+        return self.head_rows(hidden, [RowSampling(GREEDY, 0, 0)] * hidden.shape[0]).logits

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.sampler import SamplingParams
 
@@ -22,6 +24,8 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)  # generated (or fed) after the prompt
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # [blocks covering the computed tokens]
+    # [prompt tokens, hidden]: a prompt given as embeddings (prompt_token_ids: placeholders)
+    prompt_embeds: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -43,8 +47,11 @@ class RequestState:
     def prefill_chunk(self, positions: range) -> PrefillChunk:
         """The tokens at `positions` (starting at num_computed_tokens) as one prefill chunk."""
         assert positions.start == self.num_computed_tokens, "a chunk continues the cached tokens"
+        embeds = None
+        if self.prompt_embeds is not None and positions.start < self.num_prompt_tokens:
+            embeds = self.prompt_embeds[positions.start : positions.stop]
         return PrefillChunk(
-            self.tokens(positions.start, positions.stop), positions.start, self.block_table
+            self.tokens(positions.start, positions.stop), positions.start, self.block_table, embeds
         )
 
     def decode_row(self) -> DecodeRow:

@@ -109,6 +109,14 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def token_mask(token_id: int, vocab_size: int) -> torch.Tensor:
+    """[ceil(vocab / 32)] int32 bitmask allowing `token_id` alone."""
+    assert 0 <= token_id < vocab_size, f"token {token_id} outside the vocabulary ({vocab_size})"
+    words = torch.zeros(mask_words(vocab_size), dtype=torch.int64)
+    words[token_id // 32] = 1 << (token_id % 32)
+    return words.to(torch.int32)  # bit 31 wraps to the sign bit, as the bitmask means it
+
+
 def unpack_vocab_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32 bitmask -> [rows, vocab] bool."""
     vocab = torch.arange(vocab_size, device=words.device)
