@@ -75,6 +75,9 @@ def test_metrics_count_program_runs_and_bucket_padding(client, tiny_server):
         after['vllm_aot:padding_fraction_bucket{kind="prefill",le="0.75"}']
         < (after['vllm_aot:padding_fraction_bucket{kind="prefill",le="1.0"}'])
     )
+    # Where the step time went: programs, the worker's host work, and vLLM between steps.
+    for part in ("layer_programs", "head_programs", "host", "between_steps"):
+        assert grown(f'vllm_aot:step_seconds_total{{part="{part}"}}') > 0, part
 
 
 def test_profile_endpoints_write_a_trace_of_our_programs(

@@ -27,7 +27,11 @@ Steps (what the buckets cost; `kind` is `prefill` or `decode`, `slot` is `real` 
 - `vllm_aot:context_tokens_total{kind,slot}`: cached tokens real rows attend to vs cached-token
   slots read and masked (prefill: the context bucket `C` per pass; decode: `B * C` per pass);
 - `vllm_aot:padding_fraction{kind}`: histogram of each layer pass's padded share of its token
-  bucket (buckets 0, 0.1, 0.25, 0.5, 0.75, 1).
+  bucket (buckets 0, 0.1, 0.25, 0.5, 0.75, 1);
+- `vllm_aot:step_seconds_total{part}`: where the worker's time goes: `layer_programs` (the
+  layer loop's 30 program calls), `head_programs`, `host` (the rest of its step calls: input
+  preparation, the K/V write, bookkeeping, host-side logits processing) and `between_steps`
+  (synchronous scheduling: vLLM's engine loop; async: the step thread waiting for work).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +63,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its ha
 
 WRITE_INTERVAL_S = 1.0
 _SLOTS = ("real", "padding")
+_STEP_PARTS = ("layer_programs", "head_programs", "host", "between_steps")
 
 
 def load_stats(report: LoadReport, config: RuntimeConfig) -> dict[str, Any]:
@@ -76,16 +82,46 @@ def load_stats(report: LoadReport, config: RuntimeConfig) -> dict[str, Any]:
     }
 
 
-def model_stats(model: CompiledModel) -> dict[str, Any]:
+class StepClock:
+    """Where the worker's time goes: inside its step calls (`execute_model`, `sample_tokens`)
+    and between them while requests run (vLLM's engine loop when scheduling is synchronous;
+    under async scheduling the step thread waiting for work). A gap with no request running is
+    the engine idle, not counted."""
+
+    def __init__(self) -> None:
+        self.step_seconds = 0.0
+        self.between_seconds = 0.0
+        self._last_end: float | None = None
+
+    @contextlib.contextmanager
+    def timed(self, *, is_running: bool) -> Iterator[None]:
+        """Time a step call; `is_running`: requests were running since the previous one."""
+        start = time.perf_counter()
+        if is_running and self._last_end is not None:
+            self.between_seconds += start - self._last_end
+        try:
+            yield
+        finally:
+            self._last_end = time.perf_counter()
+            self.step_seconds += self._last_end - start
+
+
+def model_stats(model: CompiledModel, clock: StepClock | None = None) -> dict[str, Any]:
     """The step counters of a running model, JSON-ready; safe to call from another thread
     (the model's counter dicts never change keys)."""
     executions = list(model.num_executions.items())
+    layers, head = model.program_seconds["layers"], model.program_seconds["head"]
+    seconds = {"layer_programs": layers, "head_programs": head}
+    if clock is not None:
+        seconds["host"] = max(0.0, clock.step_seconds - layers - head)
+        seconds["between_steps"] = clock.between_seconds
     return {
         "programs": [
             {"program": key.name, "kind": key.kind.value, "executions": count}
             for key, count in sorted(executions)
         ],
         "steps": model.step_stats.to_dict(),
+        "seconds": seconds,
     }
 
 
@@ -202,6 +238,15 @@ def _step_families(stats: dict[str, Any]) -> Iterator[Metric]:
         "context_tokens",
     )
     yield _padding_histogram(steps)
+    seconds = CounterMetricFamily(
+        "vllm_aot:step_seconds",
+        "Where the worker's time goes: inside layer and head programs, its own host work "
+        "around them, and between its step calls",
+        labels=["part"],
+    )
+    for part in _STEP_PARTS:
+        seconds.add_metric([part], stats.get("seconds", {}).get(part, 0.0))
+    yield seconds
 
 
 def _load_families(load: dict[str, Any]) -> Iterator[Metric]:

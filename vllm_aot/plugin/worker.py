@@ -12,9 +12,11 @@ async_steps.py); `profile` between steps (vLLM's `/start_profile` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import Iterator
 
 import psutil
 import torch
@@ -28,7 +30,7 @@ from vllm_aot.loading.programs import ProgramOptions
 from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
 from vllm_aot.plugin.async_steps import AsyncSteps
-from vllm_aot.plugin.metrics import StatsFile, load_stats, model_stats
+from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
@@ -74,6 +76,7 @@ class AotWorker(WorkerBase):
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
         self.async_steps: AsyncSteps | None = None  # under --async-scheduling
+        self.clock = StepClock()
         validate_worker_profiler_config(self.vllm_config.profiler_config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -124,7 +127,7 @@ class AotWorker(WorkerBase):
         if self.scheduler_config.async_scheduling:
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
         if self.stats_file is not None:
-            self.stats_file.follow(functools.partial(model_stats, self.model))
+            self.stats_file.follow(functools.partial(model_stats, self.model, self.clock))
         logger.info(
             "vllm-aot: KV pool of %d blocks of %s",
             kv_cache_config.num_blocks,
@@ -153,12 +156,18 @@ class AotWorker(WorkerBase):
         if self.profiler is not None:
             self.profiler.step()  # delayed starts, iteration limits, schedules
             self.model.spans.is_enabled = self.profiler.is_recording
-        with self.model.spans("execute_model"):
+        with self._timed("execute_model"):
             return self.runner.execute_model(scheduler_output)
 
     def _sample_tokens(self, grammar_output):
-        with self.model.spans("sample_tokens"):
+        with self._timed("sample_tokens"):
             return self.runner.sample_tokens(grammar_output)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        """A step call on the clock (`/metrics`) and, while profiled, a named range."""
+        with self.clock.timed(is_running=bool(self.runner.requests)), self.model.spans(name):
+            yield
 
     def profile(self, *args, **kwargs) -> None:
         """Start or stop a torch profiler session (vLLM's `/start_profile`, `/stop_profile`),

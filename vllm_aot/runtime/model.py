@@ -11,13 +11,15 @@ A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundar
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
 
 Observability: `num_executions` counts the layer passes and head runs per program, `step_stats`
-the real vs padded rows, tokens and context tokens of each layer pass, and while `spans` is
+the real vs padded rows, tokens and context tokens of each layer pass, `program_seconds` the
+time inside programs (the layer loop, the head), and while `spans` is
 enabled (a profiler records) every program call is a range named after its program, inside
 ranges for the step's phases (`prepare_inputs`, `layers`, `write_kv`, `prepare_sampling`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple, Protocol
@@ -96,6 +98,8 @@ class CompiledModel:
         self._inv_freq = arch.rope.inv_freq()
         self.num_executions: dict[ProgramKey, int] = dict.fromkeys(self.programs, 0)
         self.step_stats = StepStats()
+        # Wall seconds inside the layer loop (the 30 program calls) and the head programs.
+        self.program_seconds: dict[str, float] = {"layers": 0.0, "head": 0.0}
         self.spans = Spans()
         self._tap: Tap | None = None
 
@@ -143,6 +147,7 @@ class CompiledModel:
             if tap is not None:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
             cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
+            started = time.perf_counter()
             for layer, weights in enumerate(self._layer_args):
                 cache = self.kv.layer(layer)
                 hidden, k_new, v_new = program(hidden, cos, sin, *cache, *context, *weights)
@@ -152,6 +157,7 @@ class CompiledModel:
                     )
                 keys.append(k_new)
                 values.append(v_new)
+            self.program_seconds["layers"] += time.perf_counter() - started
         # A layer reads its own pools and this step's K/V as inputs, never another layer's
         # writes: every layer's K/V land after the last, one copy per K and V.
         with self.spans("write_kv"):
@@ -176,7 +182,10 @@ class CompiledModel:
             tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
         w = self.weights
         head = (hidden, w.final_norm, *w.lm_head.tensors)
-        out = self._program(ProgramKey(kind, num_rows))(*head, *tensors)
+        program = self._program(ProgramKey(kind, num_rows))
+        started = time.perf_counter()
+        out = program(*head, *tensors)
+        self.program_seconds["head"] += time.perf_counter() - started
         return SamplerOutput(*(t[: len(sampling)] for t in out))
 
     def _prefill_layers(self, chunks: Sequence[PrefillChunk]):
