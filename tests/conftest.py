@@ -47,3 +47,22 @@ def tiny_model_dirs(tmp_path_factory, default_model_dir):
 @pytest.fixture
 def tiny_model_dir(tiny_model_dirs) -> Path:
     return tiny_model_dirs("llama")
+
+
+@pytest.fixture(scope="session")
+def loop_vllm_config(tiny_model_dirs):
+    """vLLM's config of tests/engine_loop.py's shapes, for the tiny Llama."""
+    from tests.engine_loop import make_vllm_config
+
+    return make_vllm_config(tiny_model_dirs("llama"))
+
+
+@pytest.fixture(scope="session")
+def loop_model(tiny_model_dirs):
+    """The tiny Llama, eager, with tests/engine_loop.py's pool of KV blocks."""
+    from tests.engine_loop import NUM_BLOCKS
+    from tests.helpers import tiny_config
+    from vllm_aot.loading.startup import load_model
+
+    config = tiny_config(num_kv_blocks=NUM_BLOCKS)
+    return load_model(tiny_model_dirs("llama"), config, show_progress=False)[0]

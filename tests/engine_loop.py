@@ -28,6 +28,8 @@ from vllm_aot.plugin.async_steps import AsyncSteps, QueuedOutput
 from vllm_aot.plugin.runner import AotModelRunner
 from vllm_aot.plugin.scheduler import AotAsyncScheduler, AotScheduler
 
+NUM_BLOCKS = 65  # the pool `loop_model` (tests/conftest.py) and the schedulers here share
+
 
 def make_vllm_config(model_dir) -> VllmConfig:
     """The policy trace's shapes (tests/policy_trace.py), through AotPlatform's config hook."""

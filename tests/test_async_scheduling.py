@@ -14,17 +14,14 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from tests.engine_loop import (
+    NUM_BLOCKS,
     AsyncEngineLoop,
     Engine,
     make_block_hasher,
     make_scheduler,
-    make_vllm_config,
 )
-from tests.helpers import tiny_config
-from vllm_aot.loading.startup import load_model
 from vllm_aot.plugin.runner import AotModelRunner
 
-NUM_BLOCKS = 65
 MAX_TOKENS = 12
 
 # (arrival step, request id, prompt tokens, sampling parameters)
@@ -38,26 +35,15 @@ ARRIVALS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vllm_config(tiny_model_dirs):
-    return make_vllm_config(tiny_model_dirs("llama"))
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dirs):
-    config = tiny_config(num_kv_blocks=NUM_BLOCKS)
-    return load_model(tiny_model_dirs("llama"), config, show_progress=False)[0]
-
-
 @pytest.fixture
-def make_engine(vllm_config, model):
+def make_engine(loop_vllm_config, loop_model):
     made = []
 
     def make(is_async: bool) -> Engine:
-        scheduler = make_scheduler(vllm_config, NUM_BLOCKS, is_async=is_async)
-        runner = AotModelRunner(model)
+        scheduler = make_scheduler(loop_vllm_config, NUM_BLOCKS, is_async=is_async)
+        runner = AotModelRunner(loop_model)
         loop = AsyncEngineLoop(scheduler, runner) if is_async else None
-        engine = Engine(scheduler, runner, make_block_hasher(vllm_config), MAX_TOKENS, loop)
+        engine = Engine(scheduler, runner, make_block_hasher(loop_vllm_config), MAX_TOKENS, loop)
         made.append(engine)
         return engine
 

@@ -15,43 +15,29 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request
 
 from tests.engine_loop import (
+    NUM_BLOCKS,
     AsyncEngineLoop,
     Engine,
     make_block_hasher,
     make_request,
     make_scheduler,
-    make_vllm_config,
 )
-from tests.helpers import tiny_config
-from vllm_aot.loading.startup import load_model
 from vllm_aot.plugin import runner as runner_module
 from vllm_aot.plugin.faults import RequestError, is_per_request
 from vllm_aot.plugin.runner import AotModelRunner
 
-NUM_BLOCKS = 65
 MAX_TOKENS = 5
 VOCAB_SIZE = 49152  # the tiny model's
 
 
-@pytest.fixture(scope="module")
-def vllm_config(tiny_model_dirs):
-    return make_vllm_config(tiny_model_dirs("llama"))
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dirs):
-    config = tiny_config(num_kv_blocks=NUM_BLOCKS)
-    return load_model(tiny_model_dirs("llama"), config, show_progress=False)[0]
-
-
 @pytest.fixture(params=["sync", "async"])
-def engine(request, vllm_config, model):
+def engine(request, loop_vllm_config, loop_model):
     """The engine loop as it runs without and with --async-scheduling."""
     is_async = request.param == "async"
-    scheduler = make_scheduler(vllm_config, NUM_BLOCKS, is_async=is_async)
-    runner = AotModelRunner(model)
+    scheduler = make_scheduler(loop_vllm_config, NUM_BLOCKS, is_async=is_async)
+    runner = AotModelRunner(loop_model)
     loop = AsyncEngineLoop(scheduler, runner) if is_async else None
-    yield Engine(scheduler, runner, make_block_hasher(vllm_config), MAX_TOKENS, loop)
+    yield Engine(scheduler, runner, make_block_hasher(loop_vllm_config), MAX_TOKENS, loop)
     if loop is not None:
         loop.shutdown()
     scheduler.shutdown()
@@ -102,10 +88,10 @@ def test_prompt_embeddings_of_the_wrong_hidden_size_fail_alone(engine):
     assert_served_around(engine, "P", ["A"], free_before)
 
 
-def test_a_failed_prefill_leaves_nothing_in_the_prefix_cache(engine, model, monkeypatch):
+def test_a_failed_prefill_leaves_nothing_in_the_prefix_cache(engine, loop_model, monkeypatch):
     """The second chunk of a 100-token prompt fails: the request ends, A goes on, and a later
     request with the same prompt finds none of the failed request's blocks cached."""
-    prefill = model.forward_prefill
+    prefill = loop_model.forward_prefill
     calls = []
 
     def second_chunk_fails(chunks):
@@ -114,7 +100,7 @@ def test_a_failed_prefill_leaves_nothing_in_the_prefix_cache(engine, model, monk
             raise RuntimeError("planted failure")
         return prefill(chunks)
 
-    monkeypatch.setattr(model, "forward_prefill", second_chunk_fails)
+    monkeypatch.setattr(loop_model, "forward_prefill", second_chunk_fails)
     free_before = engine.num_free_blocks
     engine.add("A", 20)
     engine.step()
@@ -148,7 +134,7 @@ def test_host_side_processing_failure_ends_its_row_alone(engine, monkeypatch):
     assert len(engine.tokens["A"]) == MAX_TOKENS
 
 
-def test_a_failure_shared_by_a_batch_stops_the_engine(engine, model, monkeypatch):
+def test_a_failure_shared_by_a_batch_stops_the_engine(engine, loop_model, monkeypatch):
     """A decode program failing for two rows cannot be blamed on one request: it propagates."""
 
     def decode_fails(rows):
@@ -157,7 +143,7 @@ def test_a_failure_shared_by_a_batch_stops_the_engine(engine, model, monkeypatch
     engine.add("A", 20)
     engine.add("B", 20)
     engine.step(2)  # both prompts scheduled
-    monkeypatch.setattr(model, "forward_decode", decode_fails)
+    monkeypatch.setattr(loop_model, "forward_decode", decode_fails)
     with pytest.raises(RuntimeError, match="planted failure"):
         engine.run()
 
