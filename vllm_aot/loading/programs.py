@@ -213,3 +213,13 @@ def check_fits(arch: ModelArch, config: RuntimeConfig) -> None:
             f"{arch.architecture} uses a sliding window of {arch.sliding_window} tokens, which "
             f"vllm-aot does not implement; use max_model_len <= {arch.sliding_window}"
         )
+    if arch.is_encoder and config.runner != "pooling":
+        raise ValueError(
+            f"{arch.architecture} is an encoder: it serves runner 'pooling' (embeddings), "
+            f"not {config.runner!r}"
+        )
+    if not arch.is_encoder and config.runner == "pooling":
+        raise ValueError(
+            f"runner 'pooling' for the decoder {arch.architecture} (--convert embed) is not "
+            "supported yet; supported: encoder architectures (BertModel)"
+        )

@@ -22,6 +22,9 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+# vLLM's runners: "generate" (decoders: prefill, decode and head programs) or "pooling"
+# (encoders: one encode program per token bucket, no KV cache, no head).
+RUNNERS = ("generate", "pooling")
 ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
 
 
@@ -54,8 +57,11 @@ class RuntimeConfig:
     # for "gguf" until start-up reads the file's.
     weight_formats: tuple[tuple[str, str], ...] = ()
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
+    runner: str = "generate"  # one of RUNNERS
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner {self.runner!r} is not supported; supported: {list(RUNNERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {list(DTYPES)}")
         self._check_formats()

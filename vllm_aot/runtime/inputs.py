@@ -248,3 +248,49 @@ def prepare_sampling(
         positions=torch.tensor([r.position for r in rows] + [0] * pad, dtype=torch.int64),
         vocab_mask=masks,
     )
+
+
+@dataclass(frozen=True)
+class EncoderSequence:
+    """One whole sequence for an encoder step (runner "pooling")."""
+
+    token_ids: Sequence[int]
+    token_type_ids: Sequence[int] | None = None  # None: all 0
+
+
+class EncodeInputs(NamedTuple):
+    key: ProgramKey  # encode_t{tokens}
+    token_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens], each token's position in its sequence
+    token_type_ids: torch.Tensor  # [tokens]
+    attn_mask: torch.Tensor  # [tokens, tokens] bool: within a sequence; padding sees itself
+    starts: tuple[int, ...]  # each sequence's first token (then its len(token_ids))
+
+
+def prepare_encode(sequences: Sequence[EncoderSequence], config: RuntimeConfig) -> EncodeInputs:
+    """Sequences packed into the smallest encode bucket that holds them all, padded with token 0
+    at position 0. Raises ValueError naming the largest bucket when they do not fit."""
+    lengths = [len(s.token_ids) for s in sequences]
+    size = fitting_bucket(config.prefill_token_buckets, sum(lengths))
+    if size is None:
+        raise ValueError(
+            f"{sum(lengths)} tokens do not fit the largest encode bucket "
+            f"({max(config.prefill_token_buckets)} tokens, max_num_batched_tokens)"
+        )
+    token_ids = torch.zeros(size, dtype=torch.int64)
+    positions = torch.zeros(size, dtype=torch.int64)
+    token_types = torch.zeros(size, dtype=torch.int64)
+    seq_ids = torch.arange(size, dtype=torch.int64) + len(sequences)  # padding: its own
+    starts, start = [], 0
+    for i, seq in enumerate(sequences):
+        end = start + len(seq.token_ids)
+        token_ids[start:end] = torch.as_tensor(seq.token_ids, dtype=torch.int64)
+        positions[start:end] = torch.arange(end - start)
+        if seq.token_type_ids is not None:
+            token_types[start:end] = torch.as_tensor(seq.token_type_ids, dtype=torch.int64)
+        seq_ids[start:end] = i
+        starts.append(start)
+        start = end
+    mask = seq_ids[:, None] == seq_ids[None, :]
+    key = ProgramKey(ProgramKind.ENCODE, size)
+    return EncodeInputs(key, token_ids, positions, token_types, mask, tuple(starts))
