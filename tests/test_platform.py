@@ -179,3 +179,30 @@ def test_vllm_gives_an_fp8_kv_cache_more_blocks_for_the_same_bytes(tiny_model_di
         (kv_config,) = get_kv_cache_configs(config, [spec], [1 << 22])
         num_blocks[flag] = kv_config.num_blocks
     assert num_blocks["fp8"] == factor * num_blocks["auto"]
+
+
+def test_an_encoder_is_a_pooling_model_with_its_sentence_transformers_pooling(embedding_model_dir):
+    """vLLM picks runner pooling for BertModel; we keep vLLM's whole-prompt steps (no chunked
+    prefill for bidirectional attention) and batch several prompts into one encode bucket."""
+    config = engine_config(embedding_model_dir, max_num_batched_tokens=512)
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert runtime.runner == "pooling"
+    assert config.model_config.pooler_config.seq_pooling_type == "MEAN"
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.scheduler_cls.endswith("ReportingScheduler")
+    assert config.scheduler_config.max_num_batched_tokens == 512
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "refusal"),
+    [
+        ("tiny", {"runner": "pooling", "convert": "embed"}, "--convert embed of decoders"),
+    ],
+)
+def test_runners_we_do_not_serve_are_refused(
+    tiny_model_dir, embedding_model_dir, model, flags, refusal
+):
+    model_dir = tiny_model_dir if model == "tiny" else embedding_model_dir
+    with pytest.raises(ValueError, match="vllm-aot does not support") as excinfo:
+        engine_config(model_dir, **flags)
+    assert refusal in str(excinfo.value)

@@ -133,10 +133,9 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     from vllm_aot.serve.launch import run_serve
 
     cache = cache_from_args(args)
-    model = args.model
-    if model is None and flag_value(vllm_args, "--runner") == "pooling":
-        model = EMBEDDING_MODEL_NAME  # the bundled embedding model, as the chat one otherwise
-    model_dir = resolve_model(model, cache)
+    if args.model is None and flag_value(vllm_args, "--runner") == "pooling":
+        args.model = EMBEDDING_MODEL_NAME  # the bundled embedding model, as the chat one otherwise
+    model_dir = resolve_model(args.model, cache)
     ensure_model_infos(cache)  # spares vLLM inspecting the model class in a fresh interpreter
     return run_serve(args, vllm_args, model_dir)
 

@@ -85,6 +85,7 @@ def resolve_options(
     is_block_size_set: bool,
     extra: dict[str, Any],
     kv_cache_dtype: str = "auto",
+    runner: str = "generate",
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
     `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one."""
@@ -116,6 +117,7 @@ def resolve_options(
         if is_max_model_len_set
         else min(max_model_len, DEFAULT_MAX_MODEL_LEN),
         "dtype": _dtype_name(dtype),
+        "runner": runner,
     }
     if quantization is not None:
         fields["quantization"] = quantization
@@ -137,7 +139,9 @@ def resolve_options(
         if name.endswith("_buckets"):
             fields[name] = tuple(value)
     default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
-    fields.setdefault("max_num_batched_tokens", min(default_chunk, fields["max_model_len"]))
+    # An encoder's steps pack whole prompts, several to a bucket: its default is not capped.
+    cap = fields["max_model_len"] if runner == "generate" else default_chunk
+    fields.setdefault("max_num_batched_tokens", min(default_chunk, cap))
     if fields.get("quantization") and not fields.get("weight_formats"):
         dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
         fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)

@@ -32,6 +32,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.pooling import PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
 from vllm_aot.runtime.config import RuntimeConfig
@@ -57,7 +58,10 @@ def _log_progress(line: str) -> None:
 def kv_cache_spec(arch: ModelArch, runtime: RuntimeConfig) -> dict[str, FullAttentionSpec]:
     """Every layer's pool geometry, by which vLLM sizes a block's page and so the number of
     blocks a KV budget holds: an fp8 KV cache dtype halves a bfloat16 page (quarters a float32
-    one), so the same budget holds twice (four times) the blocks."""
+    one), so the same budget holds twice (four times) the blocks. An encoder has none (vLLM's
+    attention-free case: no KV cache groups, no blocks)."""
+    if arch.is_encoder:
+        return {}
     spec = FullAttentionSpec(
         block_size=runtime.block_size,
         num_kv_heads=arch.num_kv_heads,
@@ -72,7 +76,7 @@ class AotWorker(WorkerBase):
         self.device = torch.device("cpu")
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-        self.runner: AotModelRunner | None = None
+        self.runner: AotModelRunner | PoolingRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
         self.async_steps: AsyncSteps | None = None  # under --async-scheduling
@@ -108,6 +112,8 @@ class AotWorker(WorkerBase):
         --gpu-memory-utilization of this machine's memory minus what this process uses, capped
         at twice what max_num_seqs full-length sequences need (the rest would be zeroed memory
         that only the prefix cache could ever use)."""
+        if self.arch.is_encoder:
+            return 0
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit:
             return int(explicit)
@@ -123,11 +129,16 @@ class AotWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model = self.loaded.build(kv_cache_config.num_blocks)
-        self.runner = AotModelRunner(self.model)
         if self.scheduler_config.async_scheduling:
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
         if self.stats_file is not None:
             self.stats_file.follow(functools.partial(model_stats, self.model, self.clock))
+        if self.arch.is_encoder:
+            pooling = self.model_config.pooler_config.seq_pooling_type
+            self.runner = PoolingRunner(self.model, pooling)
+            logger.info("vllm-aot: encoder, %s pooling, no KV cache", pooling)
+            return
+        self.runner = AotModelRunner(self.model)
         logger.info(
             "vllm-aot: KV pool of %d blocks of %s",
             kv_cache_config.num_blocks,
@@ -140,7 +151,8 @@ class AotWorker(WorkerBase):
         )
 
     def get_supported_tasks(self):
-        return ("generate",)
+        """Embeddings (`/v1/embeddings`, `/pooling`, `/score`) for an encoder, else generation."""
+        return ("embed",) if self.arch.is_encoder else ("generate",)
 
     def execute_model(self, scheduler_output):
         if self.async_steps is not None:

@@ -5,11 +5,12 @@ A step: `prepare_encode` packs the sequences and builds the bidirectional mask (
 its own sequence); the family's embedding stage runs on the host (`Family.embed`: word,
 position and token-type rows, a LayerNorm), then the step's `encode_t{T}` program once per
 layer. There is no KV cache: nothing is written, so nothing is kept between steps. Counters and
-spans are `CompiledModel`'s (`num_executions`, `step_stats`, `spans`).
+spans are `CompiledModel`'s (`num_executions`, `step_stats`, `program_seconds`, `spans`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -43,6 +44,7 @@ class EncoderModel:
         self._layer_args = [flatten_weights(w) for w in weights.layers]
         self.num_executions: dict[ProgramKey, int] = dict.fromkeys(self.programs, 0)
         self.step_stats = StepStats()
+        self.program_seconds: dict[str, float] = {"layers": 0.0, "head": 0.0}  # no head
         self.spans = Spans()
 
     def encode(self, sequences: Sequence[EncoderSequence]) -> list[torch.Tensor]:
@@ -72,8 +74,10 @@ class EncoderModel:
                 inputs.positions,
                 inputs.token_type_ids,
             )
+            started = time.perf_counter()
             for weights in self._layer_args:
                 (hidden,) = program(hidden, inputs.attn_mask, *weights)
+            self.program_seconds["layers"] += time.perf_counter() - started
         return [
             hidden[start : start + len(s.token_ids)]
             for start, s in zip(inputs.starts, sequences, strict=True)
