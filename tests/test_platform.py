@@ -206,3 +206,15 @@ def test_runners_we_do_not_serve_are_refused(
     with pytest.raises(ValueError, match="vllm-aot does not support") as excinfo:
         engine_config(model_dir, **flags)
     assert refusal in str(excinfo.value)
+
+
+def test_an_unchunked_pooling_model_needs_a_whole_prompt_a_step(embedding_model_dir):
+    """vLLM checks its own flags; the compiled shapes come from --additional-config too."""
+    extra = {"backend": "eager", "max_num_batched_tokens": 128}
+    with pytest.raises(ValueError, match="supported: max_num_batched_tokens >= max_model_len"):
+        engine_config(
+            embedding_model_dir,
+            max_model_len=256,
+            max_num_batched_tokens=512,
+            additional_config=extra,
+        )

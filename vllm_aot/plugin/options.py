@@ -139,9 +139,14 @@ def resolve_options(
         if name.endswith("_buckets"):
             fields[name] = tuple(value)
     default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
-    # An encoder's steps pack whole prompts, several to a bucket: its default is not capped.
-    cap = fields["max_model_len"] if runner == "generate" else default_chunk
-    fields.setdefault("max_num_batched_tokens", min(default_chunk, cap))
+    # Pooling steps hold whole prompts (vLLM chunks no bidirectional or mean-pooled prompt),
+    # several to a bucket: at least one prompt of max_model_len.
+    chunk = (
+        min(default_chunk, fields["max_model_len"])
+        if runner == "generate"
+        else max(default_chunk, fields["max_model_len"])
+    )
+    fields.setdefault("max_num_batched_tokens", chunk)
     if fields.get("quantization") and not fields.get("weight_formats"):
         dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
         fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)

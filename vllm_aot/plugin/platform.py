@@ -94,6 +94,19 @@ def _refuse_runner(model_config, archs: list[str]) -> list[str]:
     return []
 
 
+def _refuse_unchunked_budget(scheduler_config, runtime) -> None:
+    """vLLM does not chunk some pooling prompts (bidirectional attention, MEAN or CLS pooling):
+    a step must hold a whole prompt of max_model_len, or such a prompt would wait forever."""
+    if runtime.runner != "pooling" or scheduler_config.enable_chunked_prefill:
+        return
+    if runtime.max_num_batched_tokens < runtime.max_model_len:
+        raise ValueError(
+            f"vllm-aot does not support --max-num-batched-tokens {runtime.max_num_batched_tokens} "
+            f"below --max-model-len {runtime.max_model_len} for a pooling model whose prompts "
+            "vLLM does not chunk (supported: max_num_batched_tokens >= max_model_len)"
+        )
+
+
 def _max_logprobs(requested: int, num_logprobs: int) -> int:
     """vLLM's --max-logprobs within the top-n the head programs compute; -1 (vLLM's "no limit")
     means all of them. vLLM refuses a request asking more with HTTP 400 naming this limit."""
@@ -215,6 +228,7 @@ class AotPlatform(CpuPlatform):
             # user's process may have one (GNU OpenMP does not survive fork): spawn stays theirs.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         is_pooling = runtime.runner == "pooling"
+        _refuse_unchunked_budget(scheduler_config, runtime)
         if not scheduler_config.enable_chunked_prefill and not is_pooling:
             logger.warning("vllm-aot always prefills long prompts in chunks; enabling it")
             scheduler_config.enable_chunked_prefill = True
