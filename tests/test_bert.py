@@ -117,10 +117,14 @@ def test_runner_and_architecture_refusals(embedding_model_dir, tiny_model_dir):
     assert encoder.is_encoder and encoder.family == "bert"
     with pytest.raises(ValueError, match="encoder: it serves runner 'pooling'"):
         check_fits(encoder, RuntimeConfig(max_model_len=256))
-    with pytest.raises(ValueError, match="--convert embed\\) is not supported yet"):
+    with pytest.raises(ValueError, match="needs convert 'embed'"):
         check_fits(load_arch(tiny_model_dir), RuntimeConfig(runner="pooling"))
+    with pytest.raises(ValueError, match="not runner 'pooling' with convert 'embed'"):
+        check_fits(encoder, RuntimeConfig(max_model_len=256, runner="pooling", convert="embed"))
     with pytest.raises(ValueError, match="supported: \\['generate', 'pooling'\\]"):
         RuntimeConfig(runner="draft")
+    with pytest.raises(ValueError, match="supported: embed with runner 'pooling'"):
+        RuntimeConfig(convert="embed")
     hf = load_hf_config(embedding_model_dir)
     with pytest.raises(ValueError, match="supported: absolute"):
         arch_from_hf_config({**hf, "position_embedding_type": "relative_key"})

@@ -193,19 +193,20 @@ def test_an_encoder_is_a_pooling_model_with_its_sentence_transformers_pooling(em
     assert config.scheduler_config.max_num_batched_tokens == 512
 
 
-@pytest.mark.parametrize(
-    ("model", "flags", "refusal"),
-    [
-        ("tiny", {"runner": "pooling", "convert": "embed"}, "--convert embed of decoders"),
-    ],
-)
-def test_runners_we_do_not_serve_are_refused(
-    tiny_model_dir, embedding_model_dir, model, flags, refusal
-):
-    model_dir = tiny_model_dir if model == "tiny" else embedding_model_dir
+def test_a_decoder_converted_to_embeddings_keeps_vllms_chunking(tiny_model_dir):
+    """--convert embed: prefill programs alone; LAST-pooled prompts chunked as vLLM chunks them."""
+    config = engine_config(tiny_model_dir, runner="pooling", convert="embed")
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert (runtime.runner, runtime.convert) == ("pooling", "embed")
+    assert config.model_config.pooler_config.seq_pooling_type == "LAST"
+    assert config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.scheduler_cls.endswith("ReportingScheduler")
+
+
+def test_a_conversion_we_do_not_serve_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="vllm-aot does not support") as excinfo:
-        engine_config(model_dir, **flags)
-    assert refusal in str(excinfo.value)
+        engine_config(tiny_model_dir, runner="pooling", convert="classify")
+    assert "--convert classify of a decoder (supported: embed)" in str(excinfo.value)
 
 
 def test_an_unchunked_pooling_model_needs_a_whole_prompt_a_step(embedding_model_dir):

@@ -1,6 +1,6 @@
-"""PoolingRunner driven by hand-built scheduler outputs (no engine): a step of requests of
-different lengths, packed into encode buckets, each pooled as vLLM's parameters say; a request
-the model cannot serve fails alone."""
+"""The pooling runners driven by hand-built scheduler outputs (no engine): an encoder's step of
+requests of different lengths, packed into encode buckets, each pooled as vLLM's parameters
+say; a request the model cannot serve fails alone; a decoder's prompt pooled across chunks."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import torch
 from vllm.pooling_params import PoolingParams
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
+from tests.helpers import tiny_config
 from vllm_aot.loading.startup import load_model
-from vllm_aot.models.pooling import Pooling
-from vllm_aot.plugin.pooling import PoolingRunner
+from vllm_aot.models.pooling import Pooling, pool
+from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.inputs import EncoderSequence
+from vllm_aot.runtime.inputs import EncoderSequence, PrefillChunk
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,45 @@ def test_a_request_the_model_cannot_serve_fails_alone(model):
     output = runner.execute_model(step(new_request("good", [101, 2023, 102]), bad))
     assert output.pooler_output[0] is not None and output.pooler_output[1] is None
     assert "outside the vocabulary (0..30521)" in output.failed_requests["bad"]
+
+
+def continued(req_id: str, num_computed: int, num_tokens: int) -> SchedulerOutput:
+    """A step with one earlier request's next chunk (its blocks were all given at first)."""
+    out = SchedulerOutput.make_empty()
+    cached = dataclasses.replace(
+        out.scheduled_cached_reqs,
+        req_ids=[req_id],
+        new_block_ids=[None],
+        num_computed_tokens=[num_computed],
+        num_output_tokens=[0],
+    )
+    return dataclasses.replace(
+        out,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req_id: num_tokens},
+        total_num_scheduled_tokens=num_tokens,
+    )
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_a_decoders_chunks_are_pooled_across_steps(tiny_model_dir, kind):
+    """--convert embed: a 90-token prompt over two steps (the first shared with a whole short
+    prompt) pools as the whole prompt in one step does."""
+    config = tiny_config(runner="pooling", convert="embed", max_num_batched_tokens=128)
+    model = load_model(tiny_model_dir, config)[0]
+    long, short = list(range(1000, 1090)), list(range(2000, 2010))
+    runner = DecoderPoolingRunner(model, kind)
+    first = dataclasses.replace(
+        step(new_request("long", long), new_request("short", short)),
+        num_scheduled_tokens={"long": 50, "short": 10},
+        total_num_scheduled_tokens=60,
+    )
+    first.scheduled_new_reqs[0].block_ids = ([1, 2, 3, 4, 5, 6],)
+    first.scheduled_new_reqs[1].block_ids = ([7],)
+    output = runner.execute_model(first)
+    assert output.pooler_output[0] is None and output.pooler_output[1] is not None
+    output = runner.execute_model(continued("long", 50, 40))
+    assert output.req_ids == ["long"] and runner.prompts == {}
+    whole = model.prefill_states([PrefillChunk(long, 0, [8, 9, 10, 11, 12, 13])])[0]
+    expected = pool(whole, Pooling(kind, normalize=True))
+    torch.testing.assert_close(output.pooler_output[0], expected, atol=1e-5, rtol=1e-5)

@@ -2,9 +2,9 @@
 
 Usage: python offline_llm.py SPEC_JSON, where the spec names the model directory, the engine
 keyword arguments, the token prompts and max_tokens for `llm.generate`, and the messages for
-`llm.chat`; or, for an embedding model, the sentences for `llm.embed`. vLLM logs go to stderr
-(VLLM_LOGGING_STREAM), so stdout carries the result line, marked with RESULT_PREFIX so any stray
-print cannot be mistaken for it.
+`llm.chat`; or, for an embedding model, the sentences (or token ids) for `llm.embed`. vLLM
+logs go to stderr (VLLM_LOGGING_STREAM), so stdout carries the result line, marked with
+RESULT_PREFIX so any stray print cannot be mistaken for it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def main(spec: dict) -> dict:
     llm = LLM(model=spec["model"], **spec["engine"])
     started = time.monotonic() - start
     if "sentences" in spec:
-        outputs = llm.embed(spec["sentences"], use_tqdm=False)
+        prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["sentences"]]
+        outputs = llm.embed(prompts, use_tqdm=False)
         return {"startup_seconds": started, "embeddings": [o.outputs.embedding for o in outputs]}
 
     greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)

@@ -3,7 +3,8 @@ sentence-transformers' directory states it (`1_Pooling/config.json`, a `Normaliz
 `modules.json`) and as vLLM names the kinds (`CLS`, `MEAN`, `LAST`).
 
 `pool` is the maths: the first token's state, the mean of every token's, or the last one's, in
-float32, then an L2 normalisation when asked.
+float32, then an L2 normalisation when asked; `PooledChunks` the same over a prompt that arrives
+in chunks (a decoder's chunked prefill).
 """
 
 from __future__ import annotations
@@ -30,16 +31,45 @@ class Pooling:
             )
 
 
+@dataclass
+class PooledChunks:
+    """One sequence's pooling while its token states arrive chunk by chunk, in order: what
+    `result` gives is `pool` of all of them at once."""
+
+    pooling: Pooling
+    first: torch.Tensor | None = None  # [hidden] float32
+    last: torch.Tensor | None = None
+    total: torch.Tensor | None = None  # sum of every state so far (MEAN)
+    num_tokens: int = 0
+
+    def add(self, states: torch.Tensor) -> None:
+        """The next chunk's states [tokens, hidden] (model dtype)."""
+        states = states.float()
+        if self.first is None:
+            self.first = states[0]
+        self.last = states[-1]
+        if self.pooling.type == "MEAN":
+            chunk_sum = states.sum(0)
+            self.total = chunk_sum if self.total is None else self.total + chunk_sum
+        self.num_tokens += states.shape[0]
+
+    def result(self) -> torch.Tensor:
+        """The embedding [hidden] float32, L2-normalised when the pooling asks."""
+        assert self.num_tokens, "no token states pooled"
+        if self.pooling.type == "CLS":
+            out = self.first
+        elif self.pooling.type == "MEAN":
+            out = self.total / self.num_tokens
+        else:
+            out = self.last
+        return F.normalize(out, dim=-1) if self.pooling.normalize else out
+
+
 def pool(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
     """One sequence's token states [tokens, hidden] -> its embedding [hidden] float32."""
-    states = hidden.float()
-    if pooling.type == "CLS":
-        out = states[0]
-    elif pooling.type == "MEAN":
-        out = states.mean(0)
-    else:
-        out = states[-1]
-    return F.normalize(out, dim=-1) if pooling.normalize else out
+    pooled = PooledChunks(pooling)
+    pooled.add(hidden)
+    return pooled.result()
 
 
 def read_pooling(model_dir: str | Path) -> Pooling | None:

@@ -72,6 +72,14 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _default_chunk(runner: str, max_model_len: int) -> int:
+    """The largest prefill (encode) bucket when not given. Pooling steps may hold whole prompts
+    (vLLM chunks no bidirectional or mean-pooled one), several to a bucket: at least one of
+    max_model_len."""
+    default = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
+    return min(default, max_model_len) if runner == "generate" else max(default, max_model_len)
+
+
 def resolve_options(
     *,
     model: str,
@@ -86,6 +94,7 @@ def resolve_options(
     extra: dict[str, Any],
     kv_cache_dtype: str = "auto",
     runner: str = "generate",
+    convert: str | None = None,
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
     `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one."""
@@ -118,6 +127,7 @@ def resolve_options(
         else min(max_model_len, DEFAULT_MAX_MODEL_LEN),
         "dtype": _dtype_name(dtype),
         "runner": runner,
+        "convert": convert,
     }
     if quantization is not None:
         fields["quantization"] = quantization
@@ -138,15 +148,7 @@ def resolve_options(
     for name, value in fields.items():
         if name.endswith("_buckets"):
             fields[name] = tuple(value)
-    default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
-    # Pooling steps hold whole prompts (vLLM chunks no bidirectional or mean-pooled prompt),
-    # several to a bucket: at least one prompt of max_model_len.
-    chunk = (
-        min(default_chunk, fields["max_model_len"])
-        if runner == "generate"
-        else max(default_chunk, fields["max_model_len"])
-    )
-    fields.setdefault("max_num_batched_tokens", chunk)
+    fields.setdefault("max_num_batched_tokens", _default_chunk(runner, fields["max_model_len"]))
     if fields.get("quantization") and not fields.get("weight_formats"):
         dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
         fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)

@@ -21,7 +21,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
-from vllm_aot.runtime.config import QUANTIZATIONS, RUNNERS
+from vllm_aot.runtime.config import CONVERTS, QUANTIZATIONS, RUNNERS
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -80,18 +80,23 @@ def _refuse_unsupported(vllm_config) -> None:
 
 
 def _refuse_runner(model_config, archs: list[str]) -> list[str]:
-    """Encoders serve runner "pooling", decoders "generate" (vLLM itself refuses "generate" for
-    an embedding model, and sequence pooling other than CLS, MEAN and LAST)."""
+    """Encoders serve runner "pooling" as they are, decoders "generate" or "pooling" converted
+    by --convert embed (vLLM itself refuses "generate" for an embedding model, and sequence
+    pooling other than CLS, MEAN and LAST)."""
     runner = model_config.runner_type
-    is_encoder = bool(set(archs) & set(encoder_architectures()))
     if runner not in RUNNERS:
         return [f"runner {runner!r} (supported: {', '.join(RUNNERS)})"]
-    if runner == "pooling" and not is_encoder:
-        return [
-            f"runner 'pooling' for {archs} (--convert embed of decoders is not supported yet; "
-            f"pooling serves encoders: {', '.join(encoder_architectures())})"
-        ]
+    convert = _convert(model_config)
+    is_encoder = bool(set(archs) & set(encoder_architectures()))
+    if runner == "pooling" and not is_encoder and convert not in CONVERTS:
+        return [f"--convert {convert} of a decoder (supported: {', '.join(CONVERTS)})"]
     return []
+
+
+def _convert(model_config) -> str | None:
+    """vLLM's --convert as the runtime names it: None for a model served as it is."""
+    convert = model_config.convert_type
+    return None if convert in (None, "none") or model_config.runner_type != "pooling" else convert
 
 
 def _refuse_unchunked_budget(scheduler_config, runtime) -> None:
@@ -208,6 +213,7 @@ class AotPlatform(CpuPlatform):
             extra=extra,
             kv_cache_dtype=cache_config.cache_dtype,
             runner=model_config.runner_type,
+            convert=_convert(model_config),
         )
         runtime = options.runtime
         if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:

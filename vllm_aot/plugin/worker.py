@@ -32,7 +32,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
-from vllm_aot.plugin.pooling import PoolingRunner
+from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
 from vllm_aot.runtime.config import RuntimeConfig
@@ -76,7 +76,7 @@ class AotWorker(WorkerBase):
         self.device = torch.device("cpu")
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-        self.runner: AotModelRunner | PoolingRunner | None = None
+        self.runner: AotModelRunner | PoolingRunner | DecoderPoolingRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
         self.async_steps: AsyncSteps | None = None  # under --async-scheduling
@@ -133,17 +133,24 @@ class AotWorker(WorkerBase):
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
         if self.stats_file is not None:
             self.stats_file.follow(functools.partial(model_stats, self.model, self.clock))
+        self.runner = self._make_runner()
         if self.arch.is_encoder:
-            pooling = self.model_config.pooler_config.seq_pooling_type
-            self.runner = PoolingRunner(self.model, pooling)
-            logger.info("vllm-aot: encoder, %s pooling, no KV cache", pooling)
             return
-        self.runner = AotModelRunner(self.model)
         logger.info(
             "vllm-aot: KV pool of %d blocks of %s",
             kv_cache_config.num_blocks,
             self.options.runtime.kv_torch_dtype,
         )
+
+    def _make_runner(self) -> AotModelRunner | PoolingRunner | DecoderPoolingRunner:
+        """Generation's runner, or a pooling one: an encoder's, a converted decoder's."""
+        if not self.is_pooling:
+            return AotModelRunner(self.model)
+        pooling = self.model_config.pooler_config.seq_pooling_type
+        kind = "encoder, no KV cache" if self.arch.is_encoder else "decoder, --convert embed"
+        logger.info("vllm-aot: embeddings by %s pooling (%s)", pooling, kind)
+        runner = PoolingRunner if self.arch.is_encoder else DecoderPoolingRunner
+        return runner(self.model, pooling)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(
@@ -151,8 +158,13 @@ class AotWorker(WorkerBase):
         )
 
     def get_supported_tasks(self):
-        """Embeddings (`/v1/embeddings`, `/pooling`, `/score`) for an encoder, else generation."""
-        return ("embed",) if self.arch.is_encoder else ("generate",)
+        """Embeddings (`/v1/embeddings`, `/pooling`, `/score`) for a pooling model (an encoder,
+        or a decoder under --convert embed), else generation."""
+        return ("embed",) if self.is_pooling else ("generate",)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.options.runtime.runner == "pooling"
 
     def execute_model(self, scheduler_output):
         if self.async_steps is not None:

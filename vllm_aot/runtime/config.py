@@ -23,8 +23,10 @@ KV_CACHE_DTYPES = {
 }
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 # vLLM's runners: "generate" (decoders: prefill, decode and head programs) or "pooling"
-# (encoders: one encode program per token bucket, no KV cache, no head).
+# (encoders: one encode program per token bucket, no KV cache, no head; a decoder converted by
+# `convert` "embed": its prefill programs alone, pooled over its final norm's output).
 RUNNERS = ("generate", "pooling")
+CONVERTS = ("embed",)
 ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
 
 
@@ -58,10 +60,16 @@ class RuntimeConfig:
     weight_formats: tuple[tuple[str, str], ...] = ()
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
     runner: str = "generate"  # one of RUNNERS
+    convert: str | None = None  # one of CONVERTS (vLLM's --convert), a decoder under "pooling"
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner {self.runner!r} is not supported; supported: {list(RUNNERS)}")
+        if self.convert is not None and (self.convert not in CONVERTS or self.runner != "pooling"):
+            raise ValueError(
+                f"convert {self.convert!r} with runner {self.runner!r} is not supported; "
+                f"supported: {', '.join(CONVERTS)} with runner 'pooling'"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {list(DTYPES)}")
         self._check_formats()

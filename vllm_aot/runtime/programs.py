@@ -65,13 +65,15 @@ class ProgramKey:
 
 
 def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
-    if config.runner == "pooling":
+    if config.runner == "pooling" and config.convert is None:
         return [ProgramKey(ProgramKind.ENCODE, t) for t in config.prefill_token_buckets]
     keys = [
         ProgramKey(ProgramKind.PREFILL, t, c)
         for t in config.prefill_token_buckets
         for c in config.prefill_context_buckets
     ]
+    if config.runner == "pooling":  # a converted decoder: prefill alone, pooled on the host
+        return keys
     keys += [
         ProgramKey(ProgramKind.DECODE, b, c)
         for b in config.decode_batch_buckets
