@@ -11,8 +11,11 @@ its longest sentence); ours is `vllm-aot serve --runner pooling` (programs from 
 cache, compiled on its first start) and vLLM's is the same vLLM with our plugin off
 (`VLLM_PLUGINS=none`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`), both driven over HTTP
 (`/v1/embeddings`), so ours and vLLM's pay the server's round trip that sentence-transformers
-does not. Prints sentences/s per system and batch, ours against the better of the others, and
-each system's worst cosine against sentence-transformers float32.
+does not. `ours-dp2` is `--data-parallel-size 2`: replicas of one core (and one thread) each
+behind the proxy; requests still go one at a time. `ours-1t` is one replica whose engine runs
+one thread (`--additional-config '{"num_threads": 1}'`). Prints sentences/s per system and batch,
+ours against the better of the others, and each system's worst cosine against
+sentence-transformers float32.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from rich.table import Table
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME, prepare_embedding_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-SYSTEMS = ("ours", "st", "vllm")
+SYSTEMS = ("ours", "ours-1t", "ours-dp2", "st", "vllm")
 _TEXT = (
     "the model maps every sentence to a vector so that similar meanings land close together "
     "while unrelated text ends far apart servers batch requests of many lengths and compiled "
@@ -77,9 +80,13 @@ def http_embed(url: str, model: str) -> Embed:
 
 def server_command(system: str, model_dir: Path, port: int, dtype: str):
     """(command, environment) of a server system."""
-    if system == "ours":
+    if system.startswith("ours"):
         command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--runner", "pooling",
                    "--dtype", dtype, "--port", str(port)]  # fmt: skip
+        if system == "ours-dp2":  # two replicas, one core and one thread each, behind the proxy
+            command += ["--data-parallel-size", "2"]
+        if system == "ours-1t":  # one engine thread on the two cores (the API server beside it)
+            command += ["--additional-config", '{"num_threads": 1}']
         return command, {}
     args = ["--runner", "pooling", "--dtype", dtype, "--served-model-name", EMBEDDING_MODEL_NAME]
     env = {"VLLM_PLUGINS": "none", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -124,13 +131,15 @@ def report(results: dict[str, dict], reference: np.ndarray | None, batches) -> T
         cos = cosine_min(by_batch[batches[-1]][1], reference) if reference is not None else None
         row = [f"{by_batch[b][0]:.1f}" for b in batches]
         table.add_row(system, *row, "-" if cos is None else f"{cos:.6f}")
-    others = [s for s in results if s != "ours"]
-    if "ours" in results and others:
+    others = [s for s in results if not s.startswith("ours")]
+    for ours in (s for s in results if s.startswith("ours")):
+        if not others:
+            break
         ratios = []
         for b in batches:
             best = max(results[s][b][0] for s in others)
-            ratios.append(f"{results['ours'][b][0] / best:.2f}x")
-        table.add_row("ours / best other", *ratios, "")
+            ratios.append(f"{results[ours][b][0] / best:.2f}x")
+        table.add_row(f"{ours} / best other", *ratios, "")
     return table
 
 

@@ -61,8 +61,14 @@ def embed_in_batches(model, sequences, pooling, batch: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def test_embeddings_match_sentence_transformers(embedding_model_dir, sequences, reference):
-    model, _ = load_model(embedding_model_dir, config(backend="eager"))
+@pytest.mark.parametrize("max_model_len", [256, 64], ids=["one-window", "windows-of-64"])
+def test_embeddings_match_sentence_transformers(
+    embedding_model_dir, sequences, reference, max_model_len
+):
+    """Buckets of 32 to 256 tokens; with max_model_len 64 the 128- and 256-token programs
+    attend in windows of 64 that no sentence crosses."""
+    assert max(len(s.token_ids) for s in sequences) <= 64
+    model, _ = load_model(embedding_model_dir, config(backend="eager", max_model_len=max_model_len))
     pooling = read_pooling(embedding_model_dir)
     assert pooling == Pooling("MEAN", normalize=True)
     for batch in (1, 7, 32):

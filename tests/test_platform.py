@@ -219,3 +219,10 @@ def test_an_unchunked_pooling_model_needs_a_whole_prompt_a_step(embedding_model_
             max_num_batched_tokens=512,
             additional_config=extra,
         )
+
+
+def test_the_engines_threads_are_an_option(tiny_model_dir):
+    config = engine_config(tiny_model_dir, additional_config={"backend": "eager", "num_threads": 1})
+    assert AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).num_threads == 1
+    with pytest.raises(ValueError, match="num_threads must be at least 1, got 0"):
+        engine_config(tiny_model_dir, additional_config={"num_threads": 0})

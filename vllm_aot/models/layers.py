@@ -201,16 +201,18 @@ def layer_norm(
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Packed tokens of one or more sequences attending over the step's tokens alone (no cache):
-    an encoder's bidirectional attention when `mask` [tokens, tokens] is True within each
-    sequence (padding tokens see themselves). q, k, v: [tokens, heads, head_dim]. Returns
-    [tokens, heads * head_dim]; torch's SDPA in float32, as `prefill_attention`."""
+    """Packed tokens of one or more sequences attending over the step's tokens alone (no cache),
+    window by window: an encoder's bidirectional attention when `mask` [windows, window, window]
+    is True within each sequence (no sequence crosses a window; padding tokens see themselves).
+    q, k, v: [tokens, heads, head_dim], tokens = windows * window. Returns [tokens, heads *
+    head_dim]; torch's SDPA in float32, as `prefill_attention`."""
     num_tokens, num_heads, head_dim = q.shape
+    num_windows, window, _ = mask.shape
+
+    def windows(x: torch.Tensor) -> torch.Tensor:  # [windows, heads, window, head_dim]
+        return x.float().view(num_windows, window, num_heads, head_dim).transpose(1, 2)
+
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
-        k.float().transpose(0, 1)[None],
-        v.float().transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=head_dim**-0.5,
-    )  # [1, heads, tokens, d]
-    return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
+        windows(q), windows(k), windows(v), attn_mask=mask[:, None], scale=head_dim**-0.5
+    )
+    return out.transpose(1, 2).reshape(num_tokens, num_heads * head_dim).to(q.dtype)

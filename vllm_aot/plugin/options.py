@@ -6,9 +6,9 @@ them (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, -
 --kv-cache-dtype, --quantization: each linear's weight format is resolved here, from the model's
 .gguf for gguf); `--additional-config` keys named like RuntimeConfig fields (`backend`,
 `decode_batch_buckets`, ...) plus the cache options (`cache_dir`, `remote_cache`,
-`cache_upload`, `require_cached`); otherwise our defaults. The platform resolves them in the
-front-end process and stores the result in `additional_config["vllm_aot"]`, which vLLM hands to
-the engine and worker.
+`cache_upload`, `require_cached`) and the engine's `num_threads`; otherwise our defaults. The
+platform resolves them in the front-end process and stores the result in
+`additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.runtime.config import RuntimeConfig, kv_cache_dtype_name
 
 RESOLVED_KEY = "vllm_aot"
-OPTION_KEYS = ("cache_dir", "remote_cache", "cache_upload", "require_cached", "stats_file")
+OPTION_KEYS = (
+    "cache_dir",
+    "remote_cache",
+    "cache_upload",
+    "require_cached",
+    "stats_file",
+    "num_threads",
+)
 # vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
 # a value equal to one of these means the user did not choose one, so ours applies.
 _VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256)
@@ -41,6 +48,13 @@ class AotOptions:
     cache_upload: bool | None = None  # push compiled programs (default: VLLM_AOT_CACHE_UPLOAD)
     require_cached: bool = False  # a missing program is an error instead of a compile
     stats_file: str | None = None  # where the worker reports start-up counters (see metrics.py)
+    # The engine's torch threads (default: one per core of its affinity). Fewer can serve faster
+    # where the cores are shared: a descheduled thread stalls its team at every parallel loop.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
 
     def cache_settings(self):
         from vllm_aot.cache.program_cache import CacheSettings

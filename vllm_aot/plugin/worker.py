@@ -75,7 +75,7 @@ class AotWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(self.options.num_threads or len(os.sched_getaffinity(0)))
         self.runner: AotModelRunner | PoolingRunner | DecoderPoolingRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None

@@ -86,7 +86,10 @@ class RuntimeConfig:
         defaults = {
             "decode_batch_buckets": (powers_of_two(1, self.max_num_seqs), self.max_num_seqs),
             "prefill_token_buckets": (
-                _by_fours(32, self.max_num_batched_tokens),
+                # An encoder's programs are small and quick to compile: finer buckets, less padding.
+                powers_of_two(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens)
+                if self.is_encoder_runner
+                else _by_fours(32, self.max_num_batched_tokens),
                 self.max_num_batched_tokens,
             ),
             "decode_context_buckets": (
@@ -163,6 +166,19 @@ class RuntimeConfig:
             by_format.setdefault(fmt, []).append(linear)
         rest = "; ".join(f"{', '.join(names)}: {fmt}" for fmt, names in by_format.items())
         return f"{base} ({rest})" if rest else base
+
+    @property
+    def is_encoder_runner(self) -> bool:
+        """Runner "pooling" of a model as it is (an encoder: encode programs, no KV cache)."""
+        return self.runner == "pooling" and self.convert is None
+
+    def encode_window(self, num_tokens: int) -> int:
+        """The attention window of an encode program of `num_tokens`: sequences never cross a
+        window's edge and attend within theirs, so attention costs tokens x window, not
+        tokens^2. The smallest power of two holding max_model_len, where it divides the bucket;
+        else the whole bucket."""
+        window = 1 << (self.max_model_len - 1).bit_length()
+        return window if num_tokens % window == 0 else num_tokens
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

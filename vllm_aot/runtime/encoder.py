@@ -1,11 +1,12 @@
 """EncoderModel: an encoder's weights and its encode programs (runner "pooling"); runs whole
 sequences, several packed in one token bucket a step, and pools each into its embedding.
 
-A step: `prepare_encode` packs the sequences and builds the bidirectional mask (each token sees
-its own sequence); the family's embedding stage runs on the host (`Family.embed`: word,
-position and token-type rows, a LayerNorm), then the step's `encode_t{T}` program once per
-layer. There is no KV cache: nothing is written, so nothing is kept between steps. Counters and
-spans are `CompiledModel`'s (`num_executions`, `step_stats`, `program_seconds`, `spans`).
+A step: `prepare_encode` packs the sequences, none across an attention window, and builds the
+bidirectional mask (each token sees its own sequence); the family's embedding stage runs on the
+host (`Family.embed`: word, position and token-type rows, a LayerNorm), then the step's
+`encode_t{T}` program once per layer. There is no KV cache: nothing is written, so nothing is
+kept between steps. Counters and spans are `CompiledModel`'s (`num_executions`, `step_stats`,
+`program_seconds`, `spans`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import ModelWeights
 from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.inputs import EncoderSequence, prepare_encode
+from vllm_aot.runtime.inputs import EncoderSequence, encode_layout, prepare_encode
 from vllm_aot.runtime.profiling import Spans
 from vllm_aot.runtime.programs import ProgramKey, flatten_weights
 from vllm_aot.runtime.step_stats import StepStats
@@ -84,23 +85,24 @@ class EncoderModel:
         ]
 
     def steps(self, sequences: Sequence[EncoderSequence]) -> list[list[EncoderSequence]]:
-        """Sequences in order, grouped into steps of at most the largest bucket's tokens.
-        Raises ValueError for a sequence longer than that (naming the limit), or an empty one."""
-        limit = max(self.config.prefill_token_buckets)
+        """Sequences in order, grouped into steps as large as the largest bucket holds
+        (`encode_layout`). Raises ValueError for a sequence no bucket holds alone (naming the
+        limit), or an empty one."""
+        limit = min(max(self.config.prefill_token_buckets), self.config.max_model_len)
         groups: list[list[EncoderSequence]] = []
-        used = limit
+        lengths: list[int] = []
         for seq in sequences:
             n = len(seq.token_ids)
             if not 0 < n <= limit:
                 raise ValueError(
                     f"a sequence of {n} tokens cannot be encoded: 1 to {limit} tokens "
-                    "(the largest encode bucket) are supported"
+                    "(max_model_len and the largest encode bucket) are supported"
                 )
-            if used + n > limit:
+            if not groups or encode_layout([*lengths, n], self.config) is None:
                 groups.append([])
-                used = 0
+                lengths = []
             groups[-1].append(seq)
-            used += n
+            lengths.append(n)
         return groups
 
     def embed(self, sequences: Sequence[EncoderSequence], pooling: Pooling) -> torch.Tensor:

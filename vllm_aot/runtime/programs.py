@@ -65,7 +65,7 @@ class ProgramKey:
 
 
 def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
-    if config.runner == "pooling" and config.convert is None:
+    if config.is_encoder_runner:
         return [ProgramKey(ProgramKind.ENCODE, t) for t in config.prefill_token_buckets]
     keys = [
         ProgramKey(ProgramKind.PREFILL, t, c)
@@ -136,8 +136,8 @@ class Layer(nn.Module):
 class Encoder(nn.Module):
     """One encoder layer, the family's maths with bidirectional attention and no cache.
 
-    forward(hidden [tokens, hidden], mask [tokens, tokens] bool, *weights) -> (hidden,), where
-    `mask` is True where a key is visible (`models.layers.packed_attention`).
+    forward(hidden [tokens, hidden], mask [windows, window, window] bool, *weights) -> (hidden,),
+    where `mask` is True where a key of the window is visible (`models.layers.packed_attention`).
     """
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig) -> None:
@@ -214,9 +214,10 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
     dt = config.torch_dtype
     i64 = torch.int64
     if key.kind is ProgramKind.ENCODE:
+        window = config.encode_window(key.size)
         return (
             torch.zeros(key.size, arch.hidden_size, dtype=dt),
-            torch.ones(key.size, key.size, dtype=torch.bool),
+            torch.ones(key.size // window, window, window, dtype=torch.bool),
             *flatten_weights(layer_spec(arch, config).example_tensors(dt)),
         )
     if key.is_layer:
