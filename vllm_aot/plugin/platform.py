@@ -146,7 +146,7 @@ def _stats_file() -> str:
 
 def _log_shapes(runtime, artifact_dir, *, is_async: bool) -> None:
     source = f", from {artifact_dir}" if artifact_dir else ""
-    if runtime.runner == "pooling":
+    if runtime.is_encoder_runner:
         logger.info(
             "vllm-aot: %s backend, %s, weights %s, encoder (no KV cache), max_num_seqs=%d, "
             "max_model_len=%d, encode buckets %s%s",
