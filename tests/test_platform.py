@@ -179,3 +179,50 @@ def test_vllm_gives_an_fp8_kv_cache_more_blocks_for_the_same_bytes(tiny_model_di
         (kv_config,) = get_kv_cache_configs(config, [spec], [1 << 22])
         num_blocks[flag] = kv_config.num_blocks
     assert num_blocks["fp8"] == factor * num_blocks["auto"]
+
+
+def test_an_encoder_is_a_pooling_model_with_its_sentence_transformers_pooling(embedding_model_dir):
+    """vLLM picks runner pooling for BertModel; we keep vLLM's whole-prompt steps (no chunked
+    prefill for bidirectional attention) and batch several prompts into one encode bucket."""
+    config = engine_config(embedding_model_dir, max_num_batched_tokens=512)
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert runtime.runner == "pooling"
+    assert config.model_config.pooler_config.seq_pooling_type == "MEAN"
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.scheduler_cls.endswith("ReportingScheduler")
+    assert config.scheduler_config.max_num_batched_tokens == 512
+
+
+def test_a_decoder_converted_to_embeddings_keeps_vllms_chunking(tiny_model_dir):
+    """--convert embed: prefill programs alone; LAST-pooled prompts chunked as vLLM chunks them."""
+    config = engine_config(tiny_model_dir, runner="pooling", convert="embed")
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert (runtime.runner, runtime.convert) == ("pooling", "embed")
+    assert config.model_config.pooler_config.seq_pooling_type == "LAST"
+    assert config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.scheduler_cls.endswith("ReportingScheduler")
+
+
+def test_a_conversion_we_do_not_serve_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="vllm-aot does not support") as excinfo:
+        engine_config(tiny_model_dir, runner="pooling", convert="classify")
+    assert "--convert classify of a decoder (supported: embed)" in str(excinfo.value)
+
+
+def test_an_unchunked_pooling_model_needs_a_whole_prompt_a_step(embedding_model_dir):
+    """vLLM checks its own flags; the compiled shapes come from --additional-config too."""
+    extra = {"backend": "eager", "max_num_batched_tokens": 128}
+    with pytest.raises(ValueError, match="supported: max_num_batched_tokens >= max_model_len"):
+        engine_config(
+            embedding_model_dir,
+            max_model_len=256,
+            max_num_batched_tokens=512,
+            additional_config=extra,
+        )
+
+
+def test_the_engines_threads_are_an_option(tiny_model_dir):
+    config = engine_config(tiny_model_dir, additional_config={"backend": "eager", "num_threads": 1})
+    assert AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).num_threads == 1
+    with pytest.raises(ValueError, match="num_threads must be at least 1, got 0"):
+        engine_config(tiny_model_dir, additional_config={"num_threads": 0})

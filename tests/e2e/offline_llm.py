@@ -2,8 +2,9 @@
 
 Usage: python offline_llm.py SPEC_JSON, where the spec names the model directory, the engine
 keyword arguments, the token prompts and max_tokens for `llm.generate`, and the messages for
-`llm.chat`. vLLM logs go to stderr (VLLM_LOGGING_STREAM), so stdout carries the result line,
-marked with RESULT_PREFIX so any stray print cannot be mistaken for it.
+`llm.chat`; or, for an embedding model, the sentences (or token ids) for `llm.embed`. vLLM
+logs go to stderr (VLLM_LOGGING_STREAM), so stdout carries the result line, marked with
+RESULT_PREFIX so any stray print cannot be mistaken for it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ def main(spec: dict) -> dict:
     start = time.monotonic()
     llm = LLM(model=spec["model"], **spec["engine"])
     started = time.monotonic() - start
+    if "sentences" in spec:
+        prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["sentences"]]
+        outputs = llm.embed(prompts, use_tqdm=False)
+        return {"startup_seconds": started, "embeddings": [o.outputs.embedding for o in outputs]}
 
     greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompt_token_ids"]]

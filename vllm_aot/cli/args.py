@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 from vllm_aot.runtime.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS
 
@@ -23,11 +24,15 @@ def resolve_model(name: str | None, cache=None) -> Path:
             how = {"remote": f"fetched from {cache.settings.remote_url}", "converted": "converted"}
             print(f"{DEFAULT_MODEL_NAME}: {how[origin]} into {model_dir}", flush=True)
         return model_dir
+    if name == EMBEDDING_MODEL_NAME:
+        from vllm_aot.models.embedding_model import prepare_embedding_model
+
+        return prepare_embedding_model()
     path = Path(name).expanduser()
     if not path.is_dir():
         raise SystemExit(
-            f"error: model {name!r} is neither a directory nor the bundled {DEFAULT_MODEL_NAME}; "
-            "vllm-aot never downloads from a hub"
+            f"error: model {name!r} is neither a directory nor a bundled model "
+            f"({DEFAULT_MODEL_NAME}, {EMBEDDING_MODEL_NAME}); vllm-aot never downloads from a hub"
         )
     return path
 

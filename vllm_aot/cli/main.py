@@ -19,7 +19,9 @@ from vllm_aot.cli.args import (
     load_from_args,
     resolve_model,
 )
+from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.serve.settings import flag_value
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -35,6 +37,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     print("supported architectures:", ", ".join(supported_architectures()))
     print(f"bundled model: {DEFAULT_MODEL_NAME} (prepare it with `vllm-aot models prepare`)")
+    print(f"bundled embedding model: {EMBEDDING_MODEL_NAME} (`vllm-aot serve --runner pooling`)")
     return 0
 
 
@@ -130,6 +133,8 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     from vllm_aot.serve.launch import run_serve
 
     cache = cache_from_args(args)
+    if args.model is None and flag_value(vllm_args, "--runner") == "pooling":
+        args.model = EMBEDDING_MODEL_NAME  # the bundled embedding model, as the chat one otherwise
     model_dir = resolve_model(args.model, cache)
     ensure_model_infos(cache)  # spares vLLM inspecting the model class in a fresh interpreter
     return run_serve(args, vllm_args, model_dir)

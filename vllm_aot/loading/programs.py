@@ -213,3 +213,13 @@ def check_fits(arch: ModelArch, config: RuntimeConfig) -> None:
             f"{arch.architecture} uses a sliding window of {arch.sliding_window} tokens, which "
             f"vllm-aot does not implement; use max_model_len <= {arch.sliding_window}"
         )
+    if arch.is_encoder and (config.runner != "pooling" or config.convert is not None):
+        raise ValueError(
+            f"{arch.architecture} is an encoder: it serves runner 'pooling' (embeddings) as it "
+            f"is, not runner {config.runner!r} with convert {config.convert!r}"
+        )
+    if not arch.is_encoder and config.runner == "pooling" and config.convert != "embed":
+        raise ValueError(
+            f"runner 'pooling' for the decoder {arch.architecture} needs convert 'embed' "
+            "(vLLM's --convert embed)"
+        )

@@ -34,6 +34,7 @@ from vllm_aot.models.registry import load_arch
 from vllm_aot.models.weights import ModelWeights
 from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.encoder import EncoderModel
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import ProgramKey
 
@@ -50,8 +51,11 @@ class LoadedModel:
     programs: dict[ProgramKey, Program]
     report: LoadReport
 
-    def build(self, num_kv_blocks: int | None = None) -> CompiledModel:
-        """The model with a KV pool of `num_kv_blocks` blocks (default: the config's)."""
+    def build(self, num_kv_blocks: int | None = None) -> CompiledModel | EncoderModel:
+        """The model with a KV pool of `num_kv_blocks` blocks (default: the config's); an
+        encoder's has none."""
+        if self.arch.is_encoder:
+            return EncoderModel(self.arch, self.config, self.weights, self.programs)
         return CompiledModel(
             self.arch, self.config, self.weights, self.programs, num_kv_blocks=num_kv_blocks
         )
@@ -95,7 +99,7 @@ def start(
 
 def load_model(
     source: str | Path, config: RuntimeConfig | None = None, **options
-) -> tuple[CompiledModel, LoadReport]:
+) -> tuple[CompiledModel | EncoderModel, LoadReport]:
     """`start` with `ProgramOptions(**options)`, built with the config's KV pool."""
     loaded = start(source, config, ProgramOptions(**options))
     return loaded.build(), loaded.report

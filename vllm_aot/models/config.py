@@ -52,7 +52,9 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Architecture of a decoder-only model, as our implementation needs it."""
+    """Architecture of a model, as our implementation needs it: a decoder (causal attention,
+    rotary positions, a KV cache) or, with `is_encoder`, an encoder (bidirectional attention,
+    absolute position and token-type embeddings, no KV cache; `rope` unused)."""
 
     architecture: str  # the HF name, e.g. "MistralForCausalLM"
     family: str  # the registered family whose layer maths and parameters it uses, e.g. "llama"
@@ -63,11 +65,13 @@ class ModelArch:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the layers' norm epsilon (LayerNorm's for encoders)
     rope: RopeSpec
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: int | None = None
+    is_encoder: bool = False
+    type_vocab_size: int = 0  # token-type (segment) embeddings of an encoder
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (

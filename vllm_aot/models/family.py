@@ -23,11 +23,13 @@ from vllm_aot.models.linear import Linear, LinearKernel
 
 @dataclass(frozen=True)
 class Norm:
-    """A vector parameter of a layer (RMSNorm weight), replicated on every rank."""
+    """A vector parameter of a layer (a norm's weight, and a LayerNorm's bias), replicated on
+    every rank."""
 
     name: str  # our parameter name, e.g. "q_norm"
     source: str  # HF module name under the layer prefix, e.g. "self_attn.q_norm"
     size: int
+    has_bias: bool = False  # LayerNorm (encoders); RMSNorm has none
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,12 @@ class LayerSpec:
         )
 
     def tensor_names(self) -> tuple[str, ...]:
-        """`{param}.weight` per norm; per linear its format's stored tensors, then `.bias`."""
+        """`{param}.weight` per norm; per linear its format's stored tensors; then `.bias` for
+        either when it has one."""
         names: list[str] = []
         for p in self.params:
             stored = weight_format(p.format).tensor_names if isinstance(p, Linear) else ("weight",)
-            bias = ("bias",) if isinstance(p, Linear) and p.has_bias else ()
+            bias = ("bias",) if p.has_bias else ()
             names += [f"{p.name}.{t}" for t in stored + bias]
         return tuple(names)
 
@@ -68,6 +71,7 @@ class LayerSpec:
         for p in self.params:
             if isinstance(p, Norm):
                 tensors.append(torch.ones(p.size, dtype=dtype))
+                tensors += [torch.zeros(p.size, dtype=dtype)] if p.has_bias else []
                 continue
             tensors += weight_format(p.format).example(p.out_features, p.in_features)
             if p.has_bias:
@@ -87,6 +91,9 @@ class LayerParams:
     def norm(self, name: str) -> torch.Tensor:
         return self.tensors[f"{name}.weight"]
 
+    def norm_bias(self, name: str) -> torch.Tensor:
+        return self.tensors[f"{name}.bias"]
+
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Linear `name` applied to x [..., in] -> [..., out], through its format's kernel."""
         linear = self.spec.linear(name)
@@ -104,6 +111,9 @@ Observe = Callable[[str, torch.Tensor], None]
 
 
 class DecoderLayer(Protocol):
+    """A layer's maths (an encoder's too: it ignores `rope`, its `attend` is bidirectional and
+    the K/V it returns are dropped, there being no cache)."""
+
     def __call__(
         self,
         x: torch.Tensor,  # [tokens, hidden]
@@ -117,9 +127,23 @@ class DecoderLayer(Protocol):
         ...
 
 
+class EmbedStage(Protocol):
+    def __call__(
+        self,
+        arch: ModelArch,
+        word_rows: torch.Tensor,  # [tokens, hidden]: the embedding's rows of the token ids
+        tensors: Mapping[str, torch.Tensor],  # `Family.embedding_extras` by HF name
+        positions: torch.Tensor,  # [tokens] int64, each token's position in its sequence
+        token_types: torch.Tensor,  # [tokens] int64 segment ids
+    ) -> torch.Tensor:
+        """-> the first layer's input [tokens, hidden] (an encoder's embedding stage)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Family:
-    """One architecture family (see the module docstring), with HF's decoder-only tensor names."""
+    """One architecture family (see the module docstring), with HF's tensor names (decoder-only
+    ones by default; an encoder names its own, its embedding stage and no final norm)."""
 
     name: str  # `ModelArch.family`
     architectures: tuple[str, ...]  # the HF `architectures` names it serves
@@ -128,8 +152,11 @@ class Family:
     decoder_layer: DecoderLayer
     layer_prefix: str = "model.layers.{index}."
     embedding: str = "model.embed_tokens"
-    final_norm: str = "model.norm"
+    final_norm: str | None = "model.norm"
     lm_head: str = "lm_head"
+    embedding_extras: tuple[str, ...] = ()  # dense tensors `embed` reads (HF names)
+    embed: EmbedStage | None = None  # None: the word embedding's rows are the layers' input
+    is_encoder: bool = False  # its architectures parse to `ModelArch.is_encoder`
 
     def head_source(self, arch: ModelArch, has_head: bool) -> str:
         """The HF module the LM head's rows come from: its own, or the embedding's when the

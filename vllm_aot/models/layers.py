@@ -1,7 +1,8 @@
 """The shared maths decoder layers are composed from, written for static shapes.
 
 Family files (`models/llama.py`, ...) compose a layer from these: RMSNorm, rotary, head split,
-prefill and decode attention over the paged pool, SwiGLU; the linears are the family's
+prefill and decode attention over the paged pool, SwiGLU; LayerNorm, packed bidirectional
+attention (encoders); the linears are the family's
 `LayerParams.linear`. Pure functions over tensors: no module state, no data-dependent shapes, so
 the same code runs eagerly and exports into an ahead-of-time compiled program. Attention reads
 cached keys and values from the paged pool but never writes it: the layer returns this step's new
@@ -187,3 +188,31 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for a fused gate|up projection [tokens, 2 * intermediate]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """LayerNorm over the last dimension, computed in fp32 and cast back (encoders)."""
+    shape = (x.shape[-1],)
+    return F.layer_norm(x.float(), shape, weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Packed tokens of one or more sequences attending over the step's tokens alone (no cache),
+    window by window: an encoder's bidirectional attention when `mask` [windows, window, window]
+    is True within each sequence (no sequence crosses a window; padding tokens see themselves).
+    q, k, v: [tokens, heads, head_dim], tokens = windows * window. Returns [tokens, heads *
+    head_dim]; torch's SDPA in float32, as `prefill_attention`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_windows, window, _ = mask.shape
+
+    def windows(x: torch.Tensor) -> torch.Tensor:  # [windows, heads, window, head_dim]
+        return x.float().view(num_windows, window, num_heads, head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        windows(q), windows(k), windows(v), attn_mask=mask[:, None], scale=head_dim**-0.5
+    )
+    return out.transpose(1, 2).reshape(num_tokens, num_heads * head_dim).to(q.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.models import llama, qwen2, qwen3
+from vllm_aot.models import bert, llama, qwen2, qwen3
 from vllm_aot.models.config import ModelArch, load_hf_config
 from vllm_aot.models.family import Family
 
@@ -18,6 +18,7 @@ FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    bert.FAMILY,
 )
 
 
@@ -27,6 +28,11 @@ def _by_architecture() -> dict[str, Family]:
 
 def supported_architectures() -> list[str]:
     return sorted(_by_architecture())
+
+
+def encoder_architectures() -> list[str]:
+    """The HF names of encoders (served by runner "pooling" alone)."""
+    return sorted(n for f in FAMILIES if f.is_encoder for n in f.architectures)
 
 
 def family_of(arch: ModelArch) -> Family:

@@ -48,12 +48,14 @@ class StoredWeight(NamedTuple):
 class ModelWeights(NamedTuple):
     embed: StoredWeight  # [vocab, hidden]
     layers: list[LayerWeights]
-    final_norm: torch.Tensor  # [hidden]
+    final_norm: torch.Tensor  # [hidden]; [0] for an encoder (none)
     lm_head: StoredWeight  # [vocab, hidden]; the embedding itself when tied (same format)
     kv_scales: tuple[tuple[float, float], ...] = ()  # per layer (k, v): `kv_scales`; () = 1.0
+    embed_extras: dict[str, torch.Tensor] = {}  # noqa: RUF012 -- `Family.embedding_extras`
 
     def num_bytes(self) -> int:
         tensors = [*self.embed.tensors, self.final_norm, *self.lm_head.tensors]
+        tensors += self.embed_extras.values()
         tensors += [t for layer in self.layers for t in layer.values()]
         unique = {t.data_ptr(): t for t in tensors}
         return sum(t.numel() * t.element_size() for t in unique.values())
@@ -65,8 +67,10 @@ def _load_layer(
     tensors: list[torch.Tensor] = []
     for param in spec.params:
         if isinstance(param, Norm):
-            norm = checkpoint.dense(f"{prefix}{param.source}.weight")
-            tensors.append(norm.to(dtype).contiguous())
+            parts = ("weight", "bias") if param.has_bias else ("weight",)
+            for part in parts:
+                norm = checkpoint.dense(f"{prefix}{param.source}.{part}")
+                tensors.append(norm.to(dtype).contiguous())
             continue
         names = [f"{prefix}{source}.weight" for source in param.sources]
         tensors += checkpoint.stored(param, names, rank)
@@ -145,9 +149,14 @@ def load_weights(
     return ModelWeights(
         embed=embed,
         layers=layers,
-        final_norm=checkpoint.dense(f"{family.final_norm}.weight").to(dtype).contiguous(),
+        final_norm=checkpoint.dense(f"{family.final_norm}.weight").to(dtype).contiguous()
+        if family.final_norm
+        else torch.empty(0, dtype=dtype),
         lm_head=embed
         if same
         else _load_vocab_rows(checkpoint, arch, head_source, format_of(LM_HEAD), rank),
         kv_scales=kv_scales(checkpoint, family.layer_prefix, arch.num_layers),
+        embed_extras={
+            name: checkpoint.dense(name).to(dtype).contiguous() for name in family.embedding_extras
+        },
     )

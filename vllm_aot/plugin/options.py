@@ -6,9 +6,9 @@ them (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, -
 --kv-cache-dtype, --quantization: each linear's weight format is resolved here, from the model's
 .gguf for gguf); `--additional-config` keys named like RuntimeConfig fields (`backend`,
 `decode_batch_buckets`, ...) plus the cache options (`cache_dir`, `remote_cache`,
-`cache_upload`, `require_cached`); otherwise our defaults. The platform resolves them in the
-front-end process and stores the result in `additional_config["vllm_aot"]`, which vLLM hands to
-the engine and worker.
+`cache_upload`, `require_cached`) and the engine's `num_threads`; otherwise our defaults. The
+platform resolves them in the front-end process and stores the result in
+`additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.runtime.config import RuntimeConfig, kv_cache_dtype_name
 
 RESOLVED_KEY = "vllm_aot"
-OPTION_KEYS = ("cache_dir", "remote_cache", "cache_upload", "require_cached", "stats_file")
+OPTION_KEYS = (
+    "cache_dir",
+    "remote_cache",
+    "cache_upload",
+    "require_cached",
+    "stats_file",
+    "num_threads",
+)
 # vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
 # a value equal to one of these means the user did not choose one, so ours applies.
 _VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256)
@@ -41,6 +48,13 @@ class AotOptions:
     cache_upload: bool | None = None  # push compiled programs (default: VLLM_AOT_CACHE_UPLOAD)
     require_cached: bool = False  # a missing program is an error instead of a compile
     stats_file: str | None = None  # where the worker reports start-up counters (see metrics.py)
+    # The engine's torch threads (default: one per core of its affinity). Fewer can serve faster
+    # where the cores are shared: a descheduled thread stalls its team at every parallel loop.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
 
     def cache_settings(self):
         from vllm_aot.cache.program_cache import CacheSettings
@@ -72,6 +86,14 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _default_chunk(runner: str, max_model_len: int) -> int:
+    """The largest prefill (encode) bucket when not given. Pooling steps may hold whole prompts
+    (vLLM chunks no bidirectional or mean-pooled one), several to a bucket: at least one of
+    max_model_len."""
+    default = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
+    return min(default, max_model_len) if runner == "generate" else max(default, max_model_len)
+
+
 def resolve_options(
     *,
     model: str,
@@ -85,6 +107,8 @@ def resolve_options(
     is_block_size_set: bool,
     extra: dict[str, Any],
     kv_cache_dtype: str = "auto",
+    runner: str = "generate",
+    convert: str | None = None,
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
     `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one."""
@@ -116,6 +140,8 @@ def resolve_options(
         if is_max_model_len_set
         else min(max_model_len, DEFAULT_MAX_MODEL_LEN),
         "dtype": _dtype_name(dtype),
+        "runner": runner,
+        "convert": convert,
     }
     if quantization is not None:
         fields["quantization"] = quantization
@@ -136,8 +162,7 @@ def resolve_options(
     for name, value in fields.items():
         if name.endswith("_buckets"):
             fields[name] = tuple(value)
-    default_chunk = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
-    fields.setdefault("max_num_batched_tokens", min(default_chunk, fields["max_model_len"]))
+    fields.setdefault("max_num_batched_tokens", _default_chunk(runner, fields["max_model_len"]))
     if fields.get("quantization") and not fields.get("weight_formats"):
         dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
         fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)

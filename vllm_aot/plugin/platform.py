@@ -18,16 +18,18 @@ from typing import ClassVar
 
 from vllm.platforms.cpu import CpuPlatform
 
-from vllm_aot.models.registry import supported_architectures
+from vllm_aot.models.registry import encoder_architectures, supported_architectures
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
-from vllm_aot.runtime.config import QUANTIZATIONS
+from vllm_aot.runtime.config import CONVERTS, QUANTIZATIONS, RUNNERS
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
 WORKER_CLS = "vllm_aot.plugin.worker.AotWorker"
 SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotAsyncScheduler"
+# Encoders: vLLM's own steps (whole prompts, several a step), failures reported.
+POOLING_SCHEDULER_CLS = "vllm_aot.plugin.scheduler.ReportingScheduler"
 
 
 def _refuse_unsupported(vllm_config) -> None:
@@ -46,8 +48,7 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append("speculative decoding")
     if vllm_config.lora_config is not None:
         problems.append("LoRA adapters")
-    if model_config.runner_type != "generate":
-        problems.append(f"runner {model_config.runner_type!r} (only 'generate')")
+    problems += _refuse_runner(model_config, archs)
     if model_config.quantization not in (None, *QUANTIZATIONS):
         problems.append(
             f"--quantization {model_config.quantization} (supported: {', '.join(QUANTIZATIONS)})"
@@ -76,6 +77,39 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append("--enable-expert-parallel (dense models only)")
     if problems:
         raise ValueError("vllm-aot does not support " + "; ".join(problems))
+
+
+def _refuse_runner(model_config, archs: list[str]) -> list[str]:
+    """Encoders serve runner "pooling" as they are, decoders "generate" or "pooling" converted
+    by --convert embed (vLLM itself refuses "generate" for an embedding model, and sequence
+    pooling other than CLS, MEAN and LAST)."""
+    runner = model_config.runner_type
+    if runner not in RUNNERS:
+        return [f"runner {runner!r} (supported: {', '.join(RUNNERS)})"]
+    convert = _convert(model_config)
+    is_encoder = bool(set(archs) & set(encoder_architectures()))
+    if runner == "pooling" and not is_encoder and convert not in CONVERTS:
+        return [f"--convert {convert} of a decoder (supported: {', '.join(CONVERTS)})"]
+    return []
+
+
+def _convert(model_config) -> str | None:
+    """vLLM's --convert as the runtime names it: None for a model served as it is."""
+    convert = model_config.convert_type
+    return None if convert in (None, "none") or model_config.runner_type != "pooling" else convert
+
+
+def _refuse_unchunked_budget(scheduler_config, runtime) -> None:
+    """vLLM does not chunk some pooling prompts (bidirectional attention, MEAN or CLS pooling):
+    a step must hold a whole prompt of max_model_len, or such a prompt would wait forever."""
+    if runtime.runner != "pooling" or scheduler_config.enable_chunked_prefill:
+        return
+    if runtime.max_num_batched_tokens < runtime.max_model_len:
+        raise ValueError(
+            f"vllm-aot does not support --max-num-batched-tokens {runtime.max_num_batched_tokens} "
+            f"below --max-model-len {runtime.max_model_len} for a pooling model whose prompts "
+            "vLLM does not chunk (supported: max_num_batched_tokens >= max_model_len)"
+        )
 
 
 def _max_logprobs(requested: int, num_logprobs: int) -> int:
@@ -108,6 +142,40 @@ def _stats_file() -> str:
     path = Path(tempfile.gettempdir()) / f"vllm-aot-stats-{os.getpid()}.json"
     atexit.register(path.unlink, missing_ok=True)
     return str(path)
+
+
+def _log_shapes(runtime, artifact_dir, *, is_async: bool) -> None:
+    source = f", from {artifact_dir}" if artifact_dir else ""
+    if runtime.is_encoder_runner:
+        logger.info(
+            "vllm-aot: %s backend, %s, weights %s, encoder (no KV cache), max_num_seqs=%d, "
+            "max_model_len=%d, encode buckets %s%s",
+            runtime.backend,
+            runtime.dtype,
+            runtime.formats_summary(),
+            runtime.max_num_seqs,
+            runtime.max_model_len,
+            runtime.prefill_token_buckets,
+            source,
+        )
+        return
+    logger.info(
+        "vllm-aot: %s backend, %s, weights %s, KV cache %s, max_num_seqs=%d, "
+        "max_model_len=%d, block_size=%d, prefill chunks %s, decode batches %s, "
+        "decode contexts %s, %s scheduling%s",
+        runtime.backend,
+        runtime.dtype,
+        runtime.formats_summary(),
+        runtime.kv_torch_dtype,
+        runtime.max_num_seqs,
+        runtime.max_model_len,
+        runtime.block_size,
+        runtime.prefill_token_buckets,
+        runtime.decode_batch_buckets,
+        runtime.decode_context_buckets,
+        "async" if is_async else "synchronous",
+        source,
+    )
 
 
 class AotPlatform(CpuPlatform):
@@ -144,6 +212,8 @@ class AotPlatform(CpuPlatform):
             is_block_size_set=cache_config.user_specified_block_size,
             extra=extra,
             kv_cache_dtype=cache_config.cache_dtype,
+            runner=model_config.runner_type,
+            convert=_convert(model_config),
         )
         runtime = options.runtime
         if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:
@@ -152,6 +222,9 @@ class AotPlatform(CpuPlatform):
             options = dataclasses.replace(options, stats_file=_stats_file())
         register_collector(options.stats_file)
         is_async = bool(scheduler_config.async_scheduling)  # vLLM's choice, CpuPlatform's veto
+        if is_async and runtime.runner == "pooling":  # vLLM's default for pooling models too
+            logger.warning("vllm-aot: pooling models are scheduled synchronously")
+            is_async = False
         super().check_and_update_config(vllm_config)
         scheduler_config.async_scheduling = is_async
         if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
@@ -160,7 +233,9 @@ class AotPlatform(CpuPlatform):
             # has run no torch kernels, so no OpenMP pool is copied into the child. A library
             # user's process may have one (GNU OpenMP does not survive fork): spawn stays theirs.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        if not scheduler_config.enable_chunked_prefill:
+        is_pooling = runtime.runner == "pooling"
+        _refuse_unchunked_budget(scheduler_config, runtime)
+        if not scheduler_config.enable_chunked_prefill and not is_pooling:
             logger.warning("vllm-aot always prefills long prompts in chunks; enabling it")
             scheduler_config.enable_chunked_prefill = True
 
@@ -172,28 +247,18 @@ class AotPlatform(CpuPlatform):
         cache_config.block_size = runtime.block_size
         model_config.max_logprobs = _max_logprobs(model_config.max_logprobs, runtime.num_logprobs)
         vllm_config.parallel_config.worker_cls = WORKER_CLS
-        scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if is_async else SCHEDULER_CLS
+        scheduler_config.scheduler_cls = (
+            POOLING_SCHEDULER_CLS
+            if is_pooling
+            else ASYNC_SCHEDULER_CLS
+            if is_async
+            else SCHEDULER_CLS
+        )
         # One engine process holds the worker: no extra process hop per step.
         vllm_config.parallel_config.distributed_executor_backend = "uni"
         extra[RESOLVED_KEY] = options.to_dict()
         vllm_config.additional_config = extra
-        logger.info(
-            "vllm-aot: %s backend, %s, weights %s, KV cache %s, max_num_seqs=%d, "
-            "max_model_len=%d, block_size=%d, prefill chunks %s, decode batches %s, "
-            "decode contexts %s, %s scheduling%s",
-            runtime.backend,
-            runtime.dtype,
-            runtime.formats_summary(),
-            runtime.kv_torch_dtype,
-            runtime.max_num_seqs,
-            runtime.max_model_len,
-            runtime.block_size,
-            runtime.prefill_token_buckets,
-            runtime.decode_batch_buckets,
-            runtime.decode_context_buckets,
-            "async" if is_async else "synchronous",
-            f", from {options.artifact_dir}" if options.artifact_dir else "",
-        )
+        _log_shapes(runtime, options.artifact_dir, is_async=is_async)
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

@@ -10,7 +10,8 @@ This adapter owns what is vLLM's: which waiting requests are ready (grammar comp
 making `super().schedule()` build the chosen step. Requests are held in vLLM's own waiting queue,
 in arrival order; running requests not in this step are set aside for the duration of
 `super().schedule()` only. Requests the runner reports as failed (`faults.py`) finish with
-vLLM's FINISHED_ERROR in `update_from_output`; the others go on.
+vLLM's FINISHED_ERROR in `update_from_output` (`ReportingScheduler`, which an encoder's pooling
+runner uses with vLLM's own steps: whole prompts, several a step); the others go on.
 """
 
 from __future__ import annotations
@@ -41,7 +42,44 @@ def is_ready(request: Request) -> bool:
     return False
 
 
-class AotScheduler(Scheduler):
+class ReportingScheduler(Scheduler):
+    """vLLM's scheduler, finishing the requests our runner reports as failed."""
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """vLLM's update, with the requests the runner failed finished with an error first (so
+        vLLM's loop skips them and their ids reach the front end in this step's outputs)."""
+        failed = self._finish_failed(failed_requests(model_runner_output))
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request in failed:
+            error = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            if request.client_index in outputs:
+                outputs[request.client_index].outputs.append(error)
+            else:
+                outputs[request.client_index] = EngineCoreOutputs(outputs=[error])
+        return outputs
+
+    def _finish_failed(self, failures: Mapping[str, str]) -> list[Request]:
+        """Finish failed requests with FINISHED_ERROR (HTTP 500 for them); their blocks leave the
+        prefix cache, since vLLM hashes a block when it allocates it, before its K/V exist, and
+        the failed step may have written none or part of them."""
+        if not failures:
+            return []
+        live = [req_id for req_id in failures if req_id in self.requests]  # not aborted meanwhile
+        for req_id in live:
+            for block_ids in self.kv_cache_manager.get_block_ids(req_id):
+                self.kv_cache_manager.evict_blocks(set(block_ids))
+        return self.finish_requests(live, RequestStatus.FINISHED_ERROR)
+
+
+class AotScheduler(ReportingScheduler):
     @property
     def limits(self) -> Limits:
         config = self.scheduler_config
@@ -78,39 +116,6 @@ class AotScheduler(Scheduler):
             f"decode {scheduled - prefill_ids}"
         )
         return output
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
-        """vLLM's update, with the requests the runner failed finished with an error first (so
-        vLLM's loop skips them and their ids reach the front end in this step's outputs)."""
-        failed = self._finish_failed(failed_requests(model_runner_output))
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        for request in failed:
-            error = EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                events=request.take_events(),
-                trace_headers=request.trace_headers,
-            )
-            if request.client_index in outputs:
-                outputs[request.client_index].outputs.append(error)
-            else:
-                outputs[request.client_index] = EngineCoreOutputs(outputs=[error])
-        return outputs
-
-    def _finish_failed(self, failures: Mapping[str, str]) -> list[Request]:
-        """Finish failed requests with FINISHED_ERROR (HTTP 500 for them); their blocks leave the
-        prefix cache, since vLLM hashes a block when it allocates it, before its K/V exist, and
-        the failed step may have written none or part of them."""
-        if not failures:
-            return []
-        live = [req_id for req_id in failures if req_id in self.requests]  # not aborted meanwhile
-        for req_id in live:
-            for block_ids in self.kv_cache_manager.get_block_ids(req_id):
-                self.kv_cache_manager.evict_blocks(set(block_ids))
-        return self.finish_requests(live, RequestStatus.FINISHED_ERROR)
 
 
 class AotAsyncScheduler(AotScheduler, AsyncScheduler):

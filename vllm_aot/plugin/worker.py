@@ -32,6 +32,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
 from vllm_aot.runtime.config import RuntimeConfig
@@ -57,7 +58,10 @@ def _log_progress(line: str) -> None:
 def kv_cache_spec(arch: ModelArch, runtime: RuntimeConfig) -> dict[str, FullAttentionSpec]:
     """Every layer's pool geometry, by which vLLM sizes a block's page and so the number of
     blocks a KV budget holds: an fp8 KV cache dtype halves a bfloat16 page (quarters a float32
-    one), so the same budget holds twice (four times) the blocks."""
+    one), so the same budget holds twice (four times) the blocks. An encoder has none (vLLM's
+    attention-free case: no KV cache groups, no blocks)."""
+    if arch.is_encoder:
+        return {}
     spec = FullAttentionSpec(
         block_size=runtime.block_size,
         num_kv_heads=arch.num_kv_heads,
@@ -71,8 +75,8 @@ class AotWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-        self.runner: AotModelRunner | None = None
+        torch.set_num_threads(self.options.num_threads or len(os.sched_getaffinity(0)))
+        self.runner: AotModelRunner | PoolingRunner | DecoderPoolingRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
         self.async_steps: AsyncSteps | None = None  # under --async-scheduling
@@ -108,6 +112,8 @@ class AotWorker(WorkerBase):
         --gpu-memory-utilization of this machine's memory minus what this process uses, capped
         at twice what max_num_seqs full-length sequences need (the rest would be zeroed memory
         that only the prefix cache could ever use)."""
+        if self.arch.is_encoder:
+            return 0
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit:
             return int(explicit)
@@ -123,16 +129,28 @@ class AotWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model = self.loaded.build(kv_cache_config.num_blocks)
-        self.runner = AotModelRunner(self.model)
         if self.scheduler_config.async_scheduling:
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
         if self.stats_file is not None:
             self.stats_file.follow(functools.partial(model_stats, self.model, self.clock))
+        self.runner = self._make_runner()
+        if self.arch.is_encoder:
+            return
         logger.info(
             "vllm-aot: KV pool of %d blocks of %s",
             kv_cache_config.num_blocks,
             self.options.runtime.kv_torch_dtype,
         )
+
+    def _make_runner(self) -> AotModelRunner | PoolingRunner | DecoderPoolingRunner:
+        """Generation's runner, or a pooling one: an encoder's, a converted decoder's."""
+        if not self.is_pooling:
+            return AotModelRunner(self.model)
+        pooling = self.model_config.pooler_config.seq_pooling_type
+        kind = "encoder, no KV cache" if self.arch.is_encoder else "decoder, --convert embed"
+        logger.info("vllm-aot: embeddings by %s pooling (%s)", pooling, kind)
+        runner = PoolingRunner if self.arch.is_encoder else DecoderPoolingRunner
+        return runner(self.model, pooling)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(
@@ -140,7 +158,13 @@ class AotWorker(WorkerBase):
         )
 
     def get_supported_tasks(self):
-        return ("generate",)
+        """Embeddings (`/v1/embeddings`, `/pooling`, `/score`) for a pooling model (an encoder,
+        or a decoder under --convert embed), else generation."""
+        return ("embed",) if self.is_pooling else ("generate",)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.options.runtime.runner == "pooling"
 
     def execute_model(self, scheduler_output):
         if self.async_steps is not None:

@@ -22,6 +22,11 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+# vLLM's runners: "generate" (decoders: prefill, decode and head programs) or "pooling"
+# (encoders: one encode program per token bucket, no KV cache, no head; a decoder converted by
+# `convert` "embed": its prefill programs alone, pooled over its final norm's output).
+RUNNERS = ("generate", "pooling")
+CONVERTS = ("embed",)
 ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
 
 
@@ -54,8 +59,17 @@ class RuntimeConfig:
     # for "gguf" until start-up reads the file's.
     weight_formats: tuple[tuple[str, str], ...] = ()
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
+    runner: str = "generate"  # one of RUNNERS
+    convert: str | None = None  # one of CONVERTS (vLLM's --convert), a decoder under "pooling"
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner {self.runner!r} is not supported; supported: {list(RUNNERS)}")
+        if self.convert is not None and (self.convert not in CONVERTS or self.runner != "pooling"):
+            raise ValueError(
+                f"convert {self.convert!r} with runner {self.runner!r} is not supported; "
+                f"supported: {', '.join(CONVERTS)} with runner 'pooling'"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {list(DTYPES)}")
         self._check_formats()
@@ -72,7 +86,10 @@ class RuntimeConfig:
         defaults = {
             "decode_batch_buckets": (powers_of_two(1, self.max_num_seqs), self.max_num_seqs),
             "prefill_token_buckets": (
-                _by_fours(32, self.max_num_batched_tokens),
+                # An encoder's programs are small and quick to compile: finer buckets, less padding.
+                powers_of_two(min(32, self.max_num_batched_tokens), self.max_num_batched_tokens)
+                if self.is_encoder_runner
+                else _by_fours(32, self.max_num_batched_tokens),
                 self.max_num_batched_tokens,
             ),
             "decode_context_buckets": (
@@ -149,6 +166,19 @@ class RuntimeConfig:
             by_format.setdefault(fmt, []).append(linear)
         rest = "; ".join(f"{', '.join(names)}: {fmt}" for fmt, names in by_format.items())
         return f"{base} ({rest})" if rest else base
+
+    @property
+    def is_encoder_runner(self) -> bool:
+        """Runner "pooling" of a model as it is (an encoder: encode programs, no KV cache)."""
+        return self.runner == "pooling" and self.convert is None
+
+    def encode_window(self, num_tokens: int) -> int:
+        """The attention window of an encode program of `num_tokens`: sequences never cross a
+        window's edge and attend within theirs, so attention costs tokens x window, not
+        tokens^2. The smallest power of two holding max_model_len, where it divides the bucket;
+        else the whole bucket."""
+        window = 1 << (self.max_model_len - 1).bit_length()
+        return window if num_tokens % window == 0 else num_tokens
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

@@ -248,3 +248,74 @@ def prepare_sampling(
         positions=torch.tensor([r.position for r in rows] + [0] * pad, dtype=torch.int64),
         vocab_mask=masks,
     )
+
+
+@dataclass(frozen=True)
+class EncoderSequence:
+    """One whole sequence for an encoder step (runner "pooling")."""
+
+    token_ids: Sequence[int]
+    token_type_ids: Sequence[int] | None = None  # None: all 0
+
+
+class EncodeInputs(NamedTuple):
+    key: ProgramKey  # encode_t{tokens}
+    token_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens], each token's position in its sequence
+    token_type_ids: torch.Tensor  # [tokens]
+    attn_mask: torch.Tensor  # [windows, window, window] bool: within a sequence; padding: itself
+    starts: tuple[int, ...]  # each sequence's first token (then its len(token_ids))
+
+
+def _window_starts(lengths: Sequence[int], window: int) -> tuple[list[int], int] | None:
+    """Each sequence's first token, in order, none crossing a window's edge; and the tokens
+    used. None when a sequence is longer than the window."""
+    starts, end = [], 0
+    for n in lengths:
+        if n > window:
+            return None
+        if end % window + n > window:
+            end += window - end % window  # on to the next window
+        starts.append(end)
+        end += n
+    return starts, end
+
+
+def encode_layout(lengths: Sequence[int], config: RuntimeConfig) -> tuple[int, list[int]] | None:
+    """The smallest encode bucket holding sequences of `lengths` laid out in its windows, and
+    their starts; None when none does."""
+    for size in sorted(config.prefill_token_buckets):
+        layout = _window_starts(lengths, config.encode_window(size))
+        if layout is not None and layout[1] <= size:
+            return size, layout[0]
+    return None
+
+
+def prepare_encode(sequences: Sequence[EncoderSequence], config: RuntimeConfig) -> EncodeInputs:
+    """Sequences packed in order into the smallest encode bucket that holds them, none across
+    an attention window's edge (`RuntimeConfig.encode_window`), padded with token 0 at position
+    0. Raises ValueError naming the largest bucket when they do not fit."""
+    layout = encode_layout([len(s.token_ids) for s in sequences], config)
+    if layout is None:
+        raise ValueError(
+            f"{sum(len(s.token_ids) for s in sequences)} tokens of {len(sequences)} sequences do "
+            f"not fit the largest encode bucket ({max(config.prefill_token_buckets)} tokens, "
+            "max_num_batched_tokens)"
+        )
+    size, starts = layout
+    token_ids = torch.zeros(size, dtype=torch.int64)
+    positions = torch.zeros(size, dtype=torch.int64)
+    token_types = torch.zeros(size, dtype=torch.int64)
+    seq_ids = torch.arange(size, dtype=torch.int64) + len(sequences)  # padding: its own
+    for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        end = start + len(seq.token_ids)
+        token_ids[start:end] = torch.as_tensor(seq.token_ids, dtype=torch.int64)
+        positions[start:end] = torch.arange(end - start)
+        if seq.token_type_ids is not None:
+            token_types[start:end] = torch.as_tensor(seq.token_type_ids, dtype=torch.int64)
+        seq_ids[start:end] = i
+    window = config.encode_window(size)
+    seq_ids = seq_ids.view(size // window, window)
+    mask = seq_ids[:, :, None] == seq_ids[:, None, :]
+    key = ProgramKey(ProgramKind.ENCODE, size)
+    return EncodeInputs(key, token_ids, positions, token_types, mask, tuple(starts))

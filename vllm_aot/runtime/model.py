@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.layers import rotary_cos_sin
+from vllm_aot.models.layers import rms_norm, rotary_cos_sin
 from vllm_aot.models.weights import ModelWeights
 from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.buckets import fitting_bucket
@@ -221,6 +221,15 @@ class CompiledModel:
         hidden, inputs = self._prefill_layers(chunks)
         num_real = sum(len(c.token_ids) for c in chunks)
         return PrefillHidden(hidden[inputs.logits_indices], hidden[:num_real])
+
+    def prefill_states(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
+        """A prefill step for pooling (a decoder under `convert` "embed"): each chunk's token
+        states after the final norm, [its tokens, hidden]; the K/V land in the cache as in any
+        prefill step (a prompt's later chunks read them)."""
+        hidden, _ = self._prefill_layers(chunks)
+        num_real = sum(len(c.token_ids) for c in chunks)
+        normed = rms_norm(hidden[:num_real], self.weights.final_norm, self.arch.rms_norm_eps)
+        return list(normed.split([len(c.token_ids) for c in chunks]))
 
     def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Layers of a decode step; [row bucket, hidden]."""

@@ -4,6 +4,8 @@
   inputs, so one compiled program serves every layer and compile time does not grow with depth).
 - `decode_b{rows}_c{ctx}`: one decoder layer over a batch bucket reading `ctx` cached tokens.
 - `greedy_r{rows}` / `sample_r{rows}`: final norm, LM head and the on-device sampler.
+- `encode_t{tokens}` (runner "pooling", encoders): one encoder layer over packed sequences
+  attending bidirectionally within each, no KV cache.
 
 Each program states its example inputs here, once; `backends.py` turns a program into something
 callable (eagerly, or compiled ahead of time by Inductor).
@@ -28,7 +30,7 @@ from vllm_aot.kernels import (
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec
 from vllm_aot.models.formats import dense_format, weight_format
-from vllm_aot.models.layers import PagedKV, prefill_attention, rms_norm
+from vllm_aot.models.layers import PagedKV, packed_attention, prefill_attention, rms_norm
 from vllm_aot.models.linear import LM_HEAD
 from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import LayerWeights
@@ -41,6 +43,7 @@ class ProgramKind(StrEnum):
     DECODE = "decode"
     GREEDY = "greedy"
     SAMPLE = "sample"
+    ENCODE = "encode"
 
 
 @dataclass(frozen=True, order=True)
@@ -51,7 +54,8 @@ class ProgramKey:
 
     @property
     def name(self) -> str:
-        letter = "t" if self.kind is ProgramKind.PREFILL else ("b" if self.is_layer else "r")
+        is_tokens = self.kind in (ProgramKind.PREFILL, ProgramKind.ENCODE)
+        letter = "t" if is_tokens else ("b" if self.is_layer else "r")
         suffix = f"_c{self.context_tokens}" if self.is_layer else ""
         return f"{self.kind.value}_{letter}{self.size}{suffix}"
 
@@ -61,11 +65,15 @@ class ProgramKey:
 
 
 def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
+    if config.is_encoder_runner:
+        return [ProgramKey(ProgramKind.ENCODE, t) for t in config.prefill_token_buckets]
     keys = [
         ProgramKey(ProgramKind.PREFILL, t, c)
         for t in config.prefill_token_buckets
         for c in config.prefill_context_buckets
     ]
+    if config.runner == "pooling":  # a converted decoder: prefill alone, pooled on the host
+        return keys
     keys += [
         ProgramKey(ProgramKind.DECODE, b, c)
         for b in config.decode_batch_buckets
@@ -125,6 +133,38 @@ class Layer(nn.Module):
         """Sees each sub-layer output (`family.Observe`); the accuracy tools' subclass records."""
 
 
+class Encoder(nn.Module):
+    """One encoder layer, the family's maths with bidirectional attention and no cache.
+
+    forward(hidden [tokens, hidden], mask [windows, window, window] bool, *weights) -> (hidden,),
+    where `mask` is True where a key of the window is visible (`models.layers.packed_attention`).
+    """
+
+    def __init__(self, arch: ModelArch, config: RuntimeConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layer = family_of(arch).decoder_layer
+        self.spec = layer_spec(arch, config)
+        self.tensor_names = self.spec.tensor_names()
+        cpu = cpu_features()
+        formats = {linear.format for linear in self.spec.linears()}
+        self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
+
+    def forward(self, hidden, mask, *weights):
+        tensors = dict(zip(self.tensor_names, weights, strict=True))
+        params = LayerParams(self.arch, self.spec, self.kernels, tensors)
+
+        def attend(q, k, v):
+            return packed_attention(q, k, v, mask)
+
+        out, _, _ = self.layer(hidden, rope=None, attend=attend, params=params, observe=_ignore)
+        return (out,)  # programs return flat tuples (`backends.CompiledProgram`)
+
+
+def _ignore(name: str, tensor: torch.Tensor) -> None:
+    """Programs observe nothing (`family.Observe`)."""
+
+
 class Head(nn.Module):
     """(hidden, final_norm, *lm_head, *SamplingTensors) -> the `SamplerOutput` fields, in order,
     where `lm_head` is the head's stored tensors in its weight format.
@@ -162,6 +202,8 @@ class Head(nn.Module):
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
     load_used(config.formats_used())  # programs call our ops by name
+    if key.kind is ProgramKind.ENCODE:
+        return Encoder(arch, config)
     if key.is_layer:
         return Layer(arch, config, is_prefill=key.kind is ProgramKind.PREFILL)
     return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
@@ -171,6 +213,13 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
     """Inputs with the program's exact shapes and dtypes (values are irrelevant)."""
     dt = config.torch_dtype
     i64 = torch.int64
+    if key.kind is ProgramKind.ENCODE:
+        window = config.encode_window(key.size)
+        return (
+            torch.zeros(key.size, arch.hidden_size, dtype=dt),
+            torch.ones(key.size // window, window, window, dtype=torch.bool),
+            *flatten_weights(layer_spec(arch, config).example_tensors(dt)),
+        )
     if key.is_layer:
         n = key.size
         bs = config.block_size

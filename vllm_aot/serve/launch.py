@@ -24,6 +24,7 @@ import sys
 from collections.abc import Awaitable
 from pathlib import Path
 
+from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.cores import available_cores, format_core_list, group_cores, parse_core_list
@@ -147,7 +148,13 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(chosen.describe(), flush=True)
-    served_name = DEFAULT_MODEL_NAME if is_bundled(args.model) else None
+    served_name = (
+        DEFAULT_MODEL_NAME
+        if is_bundled(args.model)
+        else EMBEDDING_MODEL_NAME
+        if args.model == EMBEDDING_MODEL_NAME
+        else None
+    )
     env = dict(os.environ)
     # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

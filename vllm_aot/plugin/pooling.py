@@ -1,0 +1,235 @@
+"""The pooling runners: vLLM's SchedulerOutput -> our programs -> each request's embedding in
+`ModelRunnerOutput.pooler_output`, after the step that reaches the end of its prompt.
+
+- `PoolingRunner` (an encoder): vLLM schedules its prompts whole (no chunked prefill, no prefix
+  caching for bidirectional attention), as many a step as `max_num_seqs` and
+  `max_num_batched_tokens` allow; there is no KV cache and nothing carries over between steps.
+  The step's prompts are packed into encode buckets (`EncoderModel.steps`).
+- `DecoderPoolingRunner` (a decoder under vLLM's `--convert embed`): prompts arrive in chunks
+  (vLLM chunks LAST-pooled ones; MEAN and CLS come whole), several a step; each step's chunks
+  run in as few prefill programs as fit (`prefill_key`), their K/V written for the prompt's later
+  chunks, and the final norm's outputs are pooled chunk by chunk (`PooledChunks`).
+
+Both pool as the model's pooler configuration says (`--pooler-config`, by default the
+sentence-transformers directory's for an encoder, LAST for a decoder) and L2-normalise when the
+request's `use_activation` asks (vLLM's default for embeddings). A request the model cannot serve
+(token ids outside the vocabulary, a dimension reduction) fails alone (`faults.py`, reported in
+the output for `ReportingScheduler` to finish).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+from vllm_aot.models.pooling import PooledChunks, Pooling, pool
+from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
+from vllm_aot.runtime.encoder import EncoderModel
+from vllm_aot.runtime.inputs import EncoderSequence, PrefillChunk, prefill_key
+from vllm_aot.runtime.model import CompiledModel
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
+
+
+def token_type_ids(new: NewRequestData) -> list[int] | None:
+    """vLLM's token types of a sentence pair (`compressed_token_type_ids`: where type 1
+    starts); None (all 0) for one sentence."""
+    extra = new.pooling_params.extra_kwargs or {}
+    start = extra.get("compressed_token_type_ids")
+    if start is None:
+        return None
+    return [int(i >= start) for i in range(len(new.prompt_token_ids))]
+
+
+def admit(new: NewRequestData, *, vocab_size: int, pooling_type: str) -> Pooling:
+    """A new request's pooling; RequestError when the model cannot serve it."""
+    params = new.pooling_params
+    if params is None or new.prompt_token_ids is None:
+        raise RequestError("vllm-aot's pooling runners serve pooling requests of token ids")
+    bad = [t for t in new.prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token ids {bad[:4]} are outside the vocabulary (0..{vocab_size - 1})")
+    if params.dimensions is not None:
+        raise RequestError(f"dimensions={params.dimensions}: only full embeddings are served")
+    return Pooling(pooling_type, normalize=params.use_activation is not False)
+
+
+def fail(exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
+    """`exc` ends the requests `req_ids` (recorded in `failed`), or, when it is fatal
+    (`faults.is_per_request`), propagates."""
+    if not is_per_request(exc, len(req_ids)):
+        raise exc
+    reason = describe(exc)
+    logger.warning("vllm-aot: request %s failed: %s", ", ".join(req_ids), reason)
+    failed.update(dict.fromkeys(req_ids, reason))
+
+
+def pooling_output(
+    out: SchedulerOutput, embeddings: dict[str, torch.Tensor], failed: dict[str, str]
+) -> AotRunnerOutput:
+    """A step's output: every scheduled request, its embedding when its prompt ended (None
+    otherwise), no tokens."""
+    req_ids = list(out.num_scheduled_tokens)
+    return AotRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[[] for _ in req_ids],
+        pooler_output=[embeddings.get(rid) for rid in req_ids],
+        failed_requests=failed,
+    )
+
+
+@dataclass(frozen=True)
+class EncoderRow:
+    req_id: str
+    sequence: EncoderSequence
+    pooling: Pooling
+
+
+class PoolingRunner:
+    def __init__(self, model: EncoderModel, pooling_type: str) -> None:
+        self.model = model
+        self.pooling_type = pooling_type
+        self.vocab_size = model.arch.vocab_size
+        self.requests: dict[str, object] = {}  # none kept between steps (the worker asks)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Encode and pool every scheduled request (each one new and whole)."""
+        if out.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        assert not out.scheduled_cached_reqs.req_ids, (
+            "an encoder request scheduled twice: vLLM schedules encoder prompts whole"
+        )
+        failed: dict[str, str] = {}
+        rows: list[EncoderRow] = []
+        for new in out.scheduled_new_reqs:
+            try:
+                pooling = admit(new, vocab_size=self.vocab_size, pooling_type=self.pooling_type)
+            except Exception as exc:
+                fail(exc, [new.req_id], failed)
+                continue
+            sequence = EncoderSequence(new.prompt_token_ids, token_type_ids(new))
+            rows.append(EncoderRow(new.req_id, sequence, pooling))
+        embeddings: dict[str, torch.Tensor] = {}
+        for group in self._groups(rows):
+            try:
+                hidden = self.model.encode([r.sequence for r in group])
+            except Exception as exc:
+                fail(exc, [r.req_id for r in group], failed)
+                continue
+            for row, states in zip(group, hidden, strict=True):
+                embeddings[row.req_id] = pool(states, row.pooling)
+        return pooling_output(out, embeddings, failed)
+
+    def _groups(self, rows: Sequence[EncoderRow]) -> list[list[EncoderRow]]:
+        """Rows in the encode steps `EncoderModel.steps` packs their sequences into."""
+        by_sequence = {id(r.sequence): r for r in rows}
+        steps = self.model.steps([r.sequence for r in rows])
+        return [[by_sequence[id(s)] for s in step] for step in steps]
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """Nothing to sample: `execute_model` returned the step's output."""
+        return EMPTY_MODEL_RUNNER_OUTPUT
+
+
+@dataclass
+class PoolingPrompt:
+    """A decoder's pooling request between steps."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed: int  # tokens in the KV cache (earlier chunks, a prefix hit)
+    pooled: PooledChunks = field(repr=False)
+
+
+class DecoderPoolingRunner:
+    def __init__(self, model: CompiledModel, pooling_type: str) -> None:
+        self.model = model
+        self.pooling_type = pooling_type
+        self.prompts: dict[str, PoolingPrompt] = {}
+
+    @property
+    def requests(self) -> dict[str, PoolingPrompt]:
+        """The prompts in flight (the worker asks whether any is)."""
+        return self.prompts
+
+    def _update(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
+        for req_id in out.finished_req_ids:
+            self.prompts.pop(req_id, None)
+        vocab_size = self.model.arch.vocab_size
+        for new in out.scheduled_new_reqs:
+            try:
+                pooling = admit(new, vocab_size=vocab_size, pooling_type=self.pooling_type)
+            except Exception as exc:
+                fail(exc, [new.req_id], failed)
+                continue
+            self.prompts[new.req_id] = PoolingPrompt(
+                list(new.prompt_token_ids),
+                list(new.block_ids[0]),
+                new.num_computed_tokens,
+                PooledChunks(pooling),
+            )
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            prompt = self.prompts[req_id]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: fresh blocks, pooled again
+                prompt.block_table = list(new_blocks[0]) if new_blocks else []
+                prompt.pooled = PooledChunks(prompt.pooled.pooling)
+            elif new_blocks is not None:
+                prompt.block_table.extend(new_blocks[0])
+            prompt.num_computed = cached.num_computed_tokens[i]
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step's prompt chunks and pool them; a prompt's embedding after its last."""
+        if out.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        failed: dict[str, str] = {}
+        self._update(out, failed)
+        chunks = {
+            rid: self._chunk(self.prompts[rid], n)
+            for rid, n in out.num_scheduled_tokens.items()
+            if rid not in failed
+        }
+        embeddings: dict[str, torch.Tensor] = {}
+        for group in self._groups(chunks):
+            try:
+                states = self.model.prefill_states([chunks[rid] for rid in group])
+            except Exception as exc:
+                fail(exc, group, failed)
+                continue
+            for rid, chunk_states in zip(group, states, strict=True):
+                prompt = self.prompts[rid]
+                prompt.pooled.add(chunk_states)
+                if chunks[rid].num_cached + len(chunks[rid].token_ids) == len(prompt.token_ids):
+                    embeddings[rid] = self.prompts.pop(rid).pooled.result()
+        for rid in failed:
+            self.prompts.pop(rid, None)
+        return pooling_output(out, embeddings, failed)
+
+    @staticmethod
+    def _chunk(prompt: PoolingPrompt, num_tokens: int) -> PrefillChunk:
+        start = prompt.num_computed
+        return PrefillChunk(prompt.token_ids[start : start + num_tokens], start, prompt.block_table)
+
+    def _groups(self, chunks: dict[str, PrefillChunk]) -> Iterable[list[str]]:
+        """The step's chunks in order, as few to a prefill program as fit one (a chunk that
+        fits none alone goes alone, for `prefill_states` to refuse naming the limits)."""
+        group: list[str] = []
+        for rid in chunks:
+            candidate = [chunks[r] for r in (*group, rid)]
+            if group and prefill_key(candidate, self.model.config) is None:
+                yield group
+                group = []
+            group.append(rid)
+        if group:
+            yield group
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """Nothing to sample: `execute_model` returned the step's output."""
+        return EMPTY_MODEL_RUNNER_OUTPUT
