@@ -105,7 +105,13 @@ def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: 
         "arch": {**asdict(arch), "rope": asdict(arch.rope)},
         "config": config.to_dict(),
         "jobs": [
-            {"kind": k.kind.value, "size": k.size, "context": k.context_tokens, "path": str(p)}
+            {
+                "kind": k.kind.value,
+                "size": k.size,
+                "context": k.context_tokens,
+                "drafts": k.num_drafts,
+                "path": str(p),
+            }
             for k, p in jobs
         ],
     }
@@ -176,7 +182,7 @@ def main(job_file: str) -> None:
     arch = ModelArch(**{**payload["arch"], "rope": RopeSpec(**payload["arch"]["rope"])})
     config = RuntimeConfig.from_dict(payload["config"])
     for job in payload["jobs"]:
-        key = ProgramKey(ProgramKind(job["kind"]), job["size"], job["context"])
+        key = ProgramKey(ProgramKind(job["kind"]), job["size"], job["context"], job["drafts"])
         secs = compile_program(key, arch, config, Path(job["path"]))
         print(f"done {key.name} {secs:.3f}", flush=True)
 
