@@ -109,9 +109,11 @@ def resolve_options(
     kv_cache_dtype: str = "auto",
     runner: str = "generate",
     convert: str | None = None,
+    num_speculative_tokens: int = 0,
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
-    `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one."""
+    `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one;
+    `num_speculative_tokens` is --speculative-config's (0: none)."""
     extra = {k: v for k, v in (extra or {}).items() if k != RESOLVED_KEY}
     known = set(RuntimeConfig.__dataclass_fields__) | set(OPTION_KEYS)
     unknown = sorted(set(extra) - known)
@@ -129,6 +131,12 @@ def resolve_options(
                 f"{model} is an exported directory compiled for kv_cache_dtype "
                 f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
             )
+        if num_speculative_tokens != runtime.num_speculative_tokens:
+            raise ValueError(
+                f"{model} is an exported directory compiled for num_speculative_tokens "
+                f"{runtime.num_speculative_tokens}; --speculative-config asks "
+                f"{num_speculative_tokens}"
+            )
         if extra:
             raise ValueError(
                 f"{model} is an exported directory whose shapes are fixed; "
@@ -145,6 +153,8 @@ def resolve_options(
     }
     if quantization is not None:
         fields["quantization"] = quantization
+    if num_speculative_tokens:
+        fields["num_speculative_tokens"] = num_speculative_tokens
     if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
         fields["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:
