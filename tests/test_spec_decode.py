@@ -101,3 +101,55 @@ def test_rejection_sampling_keeps_the_target_distribution(spec_model, draft_rank
         counts += (first[:, None] == top[None, :]).sum(dim=0)
     assert counts.sum() == num_samples, "a token outside the top-k was emitted"
     assert _chi_square(counts, probs) < 20.5
+
+
+def test_registry_keys_and_shows_the_speculative_configuration():
+    """A configuration compiled with verify programs is served only to a command line asking
+    for the same number of drafts, and `cache lookup` shows it."""
+    from vllm_aot.cache.keys import cpu_target, generator_source_digest, versions
+    from vllm_aot.cache.registry import CompiledConfiguration, describe_rows, select_configuration
+    from vllm_aot.serve.selection import requested_shapes
+    from vllm_aot.serve.settings import ShapeFlags
+
+    def entry(k: int) -> CompiledConfiguration:
+        runtime = tiny_config(num_speculative_tokens=k).shape_fields()
+        return CompiledConfiguration(
+            arch_digest="a",
+            architecture="LlamaForCausalLM",
+            runtime=runtime,
+            target=cpu_target(),
+            torch=versions()["torch"],
+            vllm_aot=versions()["vllm_aot"],
+            source=generator_source_digest(),
+        )
+
+    entries = [entry(0), entry(K)]
+    spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    for passthrough, k in (((), 0), (spec, K)):
+        requested = requested_shapes(ShapeFlags(dtype="float32"), passthrough)
+        requested["kv_cache_dtype"] = "auto"
+        best, _ = select_configuration(entries, requested, num_cores=1)
+        assert best is not None and best.value("num_speculative_tokens") == k
+    header, plain, speculative = describe_rows(entries)
+    column = header.index("drafts")
+    assert (plain[column], speculative[column]) == ("-", "k=3 b1,2,4")
+
+
+def test_options_take_the_drafts_from_the_speculative_config(tiny_model_dirs):
+    from vllm_aot.plugin.options import resolve_options
+
+    common = dict(
+        model=str(tiny_model_dirs("llama")),
+        dtype="float32",
+        max_model_len=256,
+        is_max_model_len_set=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=16,
+        is_block_size_set=True,
+    )
+    options = resolve_options(**common, extra={}, num_speculative_tokens=K)
+    assert options.runtime.num_speculative_tokens == K
+    assert options.runtime.verify_batch_buckets == (1, 2, 4)
+    with pytest.raises(ValueError, match="--speculative-config asks 3"):
+        resolve_options(**common, extra={"num_speculative_tokens": 2}, num_speculative_tokens=K)

@@ -94,6 +94,22 @@ def _default_chunk(runner: str, max_model_len: int) -> int:
     return min(default, max_model_len) if runner == "generate" else max(default, max_model_len)
 
 
+def _check_speculative(asked: int, given: int | None, artifact: str | None = None) -> None:
+    """--speculative-config's drafts per step (`asked`) against another source's (`given`: the
+    exported directory's, or --additional-config's; None: not given)."""
+    if given is None or given == asked:
+        return
+    source = (
+        f"{artifact} is an exported directory compiled for"
+        if artifact
+        else "--additional-config sets"
+    )
+    raise ValueError(
+        f"{source} num_speculative_tokens {given}; --speculative-config asks {asked} "
+        "(give it there)"
+    )
+
+
 def resolve_options(
     *,
     model: str,
@@ -123,6 +139,7 @@ def resolve_options(
             f"known: {', '.join(sorted(known))}"
         )
     options = {k: extra.pop(k) for k in OPTION_KEYS if k in extra}
+    _check_speculative(num_speculative_tokens, extra.get("num_speculative_tokens"))
     kv = None if kv_cache_dtype in ("auto", str(dtype).removeprefix("torch.")) else kv_cache_dtype
     if is_artifact_dir(model):
         runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
@@ -131,12 +148,7 @@ def resolve_options(
                 f"{model} is an exported directory compiled for kv_cache_dtype "
                 f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
             )
-        if num_speculative_tokens != runtime.num_speculative_tokens:
-            raise ValueError(
-                f"{model} is an exported directory compiled for num_speculative_tokens "
-                f"{runtime.num_speculative_tokens}; --speculative-config asks "
-                f"{num_speculative_tokens}"
-            )
+        _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
         if extra:
             raise ValueError(
                 f"{model} is an exported directory whose shapes are fixed; "
