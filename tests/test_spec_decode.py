@@ -153,3 +153,34 @@ def test_options_take_the_drafts_from_the_speculative_config(tiny_model_dirs):
     assert options.runtime.verify_batch_buckets == (1, 2, 4)
     with pytest.raises(ValueError, match="--speculative-config asks 3"):
         resolve_options(**common, extra={"num_speculative_tokens": 2}, num_speculative_tokens=K)
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():
+    """The tokens after the earlier occurrence of the last n-gram, capped by max_tokens; none
+    for rows whose tokens come from the host (penalties)."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams as VllmParams
+
+    from vllm_aot.plugin.requests import CachedRequest
+    from vllm_aot.plugin.spec_decode import Drafter
+
+    spec = SimpleNamespace(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    model_config = SimpleNamespace(max_model_len=64)
+    config = SimpleNamespace(speculative_config=spec, model_config=model_config)
+    drafter = Drafter(config)
+
+    def request(req_id, max_tokens, **params):
+        return CachedRequest.new(
+            req_id=req_id,
+            prompt_token_ids=[5, 6, 7, 8, 9, 10, 11, 5, 6],
+            params=VllmParams(max_tokens=max_tokens, **params),
+            block_ids=[1],
+            num_computed_tokens=0,
+            vocab_size=100,
+        )
+
+    requests = [request("a", 16), request("b", 3), request("c", 16, repetition_penalty=1.2)]
+    drafts = drafter.propose(requests)
+    assert drafts.req_ids == ["a", "b", "c"]
+    assert drafts.draft_token_ids == [[7, 8, 9, 10], [7, 8], []]

@@ -98,12 +98,14 @@ def _wait_counters(url: str, key: str, minimum: float) -> dict[str, float]:
     return counters
 
 
-def _check_identical(model_dir, prompts, max_tokens, tmp_path):
+def _check_identical(model_dir, prompts, max_tokens, tmp_path, *, check_sampling=False):
     with _server(model_dir, None, tmp_path / "plain.log") as url:
         expected = {s: _texts(url, prompts, max_tokens, s) for s in (1, 8)}
     with _server(model_dir, NGRAM, tmp_path / "ngram.log") as url:
         for streams in (1, 8):
             assert _texts(url, prompts, max_tokens, streams) == expected[streams], streams
+        if check_sampling:
+            _check_seeded_sampling(url, prompts[-1])
         counters = _wait_counters(url, "verify", 1)
     assert counters["vllm:spec_decode_num_drafts_total"] > 0, counters
     assert counters["vllm:spec_decode_num_accepted_tokens_total"] > 0, counters
@@ -111,9 +113,27 @@ def _check_identical(model_dir, prompts, max_tokens, tmp_path):
     return counters
 
 
+def _check_seeded_sampling(url: str, prompt: str) -> None:
+    """Temperature 1 through the sampling verify head: full length, and a seed reproduces it."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 1.0, "seed": 7}
+    body["ignore_eos"] = True
+    texts = []
+    for _ in range(2):
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            out = json.loads(response.read())
+        assert out["usage"]["completion_tokens"] == 32
+        texts.append(out["choices"][0]["text"])
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.slow
 def test_ngram_greedy_text_is_byte_identical_on_the_tiny_model(tiny_model_dirs, tmp_path):
-    _check_identical(tiny_model_dirs("llama"), COPY_PROMPTS, 48, tmp_path)
+    _check_identical(tiny_model_dirs("llama"), COPY_PROMPTS, 48, tmp_path, check_sampling=True)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ verifies them in one verify program and returns the accepted tokens plus one
 (their K/V are overwritten by the next step before anything reads them). After the step the
 engine asks for the next drafts (`take_draft_token_ids`): ours come from `Drafter.propose`.
 
-Supported: `method: ngram` (prompt lookup: vLLM's own `NgramProposer`, numba on the host). A
+Supported: `method: ngram` (prompt lookup: vLLM's own n-gram matcher, numba on the host). A
 request gets no drafts while it uses structured outputs or host-side logits processing
 (penalties, bias, bad words, min_tokens: its tokens come from the host), or when one more token
 ends it; a decode batch larger than the largest verify program decodes without drafts.
@@ -90,28 +90,34 @@ def wants_drafts(request: CachedRequest) -> bool:
 
 
 class Drafter:
-    """Prompt-lookup drafts for the requests that sampled this step (vLLM's NgramProposer)."""
+    """Prompt-lookup drafts for the requests that sampled this step: vLLM's n-gram matcher (the
+    kernel of its `NgramProposer`), one request at a time. Its batch entry point is a parallel
+    numba loop whose OpenMP pool is not torch's: two pools of spinning threads on the engine's
+    cores, for a loop that takes microseconds per request."""
 
     def __init__(self, vllm_config) -> None:
-        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+        from vllm.v1.spec_decode.ngram_proposer import (
+            _find_longest_matched_ngram_and_propose_tokens as propose_one,
+        )
 
-        self.proposer = NgramProposer(vllm_config)  # compiles its numba kernel (~1 s)
-        self.k = num_speculative_tokens(vllm_config)
+        spec = vllm_config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self._propose_one = propose_one
+        self._propose_one(np.zeros(8, dtype=np.int32), self.min_n, self.max_n, 8, self.k)  # JIT
 
     def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
         """Up to k drafts each, capped so a step never computes past the request's max_tokens."""
-        wanted = [r for r in requests if wants_drafts(r)]
-        drafts: dict[str, list[int]] = {}
-        if wanted:
-            lengths = np.array([r.num_tokens for r in wanted], dtype=np.int32)
-            tokens = np.zeros((len(wanted), int(lengths.max())), dtype=np.int32)
-            for i, request in enumerate(wanted):
-                tokens[i, : lengths[i]] = request.prompt_token_ids + request.output_token_ids
-            proposed = self.proposer.propose(self.k, [[0]] * len(wanted), lengths, tokens)
-            for request, ids in zip(wanted, proposed, strict=True):
-                remaining = request.max_tokens - len(request.output_token_ids)
-                drafts[request.req_id] = list(ids[: remaining - 1])
         from vllm.v1.outputs import DraftTokenIds
 
-        ids = [r.req_id for r in requests]
-        return DraftTokenIds(ids, [drafts.get(req_id, []) for req_id in ids])
+        drafts = []
+        for request in requests:
+            if not wants_drafts(request):
+                drafts.append([])
+                continue
+            tokens = np.array(request.prompt_token_ids + request.output_token_ids, np.int32)
+            remaining = request.max_tokens - len(request.output_token_ids)
+            found = self._propose_one(tokens, self.min_n, self.max_n, self.max_model_len, self.k)
+            drafts.append(found[: remaining - 1].tolist())
+        return DraftTokenIds([r.req_id for r in requests], drafts)
