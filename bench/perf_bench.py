@@ -1,7 +1,8 @@
 """Serving performance side by side: vllm-aot, vLLM's own CPU backend and llama.cpp, in one run.
 
-    .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128]
-                                         [--systems ours,ours-bf16,vllm,llamacpp]
+    .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128,copy]
+                                         [--systems ours,ours-bf16,ours-ngram,vllm,llamacpp]
+                                         [--serve-args "--max-num-seqs 8"]
                                          [--dtype bfloat16]
                                          [--llamacpp-server native|python]
 
@@ -19,12 +20,20 @@ output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios, and f
 padding waste of each run (decode rows and prefill tokens, from our counters on /metrics), and
 each server's memory (proportional set size of all its processes) after its runs; draws tok/s and
 TTFT p99 per system and concurrency into `perf.png` beside the logs (bench/perf_plot.py).
+
+Speculative decoding: `ours-ngram` is ours with `--speculative-config` n-gram drafts
+(`NGRAM_CONFIG`); for it every run also prints vLLM's spec-decode counters (drafts, accepted
+tokens, acceptance per position). The `copy` case is copy-heavy: chat requests asking to repeat,
+correct or continue a given text (`COPY_PROMPTS`, greedy, 128 tokens, ignore-eos), where n-gram
+drafts match; the random cases are where they hardly ever do (what speculation costs there).
+`--serve-args` go to every `vllm-aot serve` (the same shapes for ours and ours-ngram).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import tempfile
 import time
@@ -33,6 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from copy_case import acceptance, case_args, spec_counters
 from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
 from perf_plot import draw
 from rich.console import Console
@@ -42,7 +52,13 @@ from serve_bench import run_vllm_bench
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-SYSTEMS = ("ours", "ours-bf16", "vllm", "llamacpp")
+SYSTEMS = ("ours", "ours-bf16", "ours-ngram", "vllm", "llamacpp")
+NGRAM_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
 DEFAULT_SYSTEMS = ("ours", "vllm", "llamacpp")
 
 
@@ -71,8 +87,12 @@ class Server:
 def server(system: str, model: Path, port: int, args) -> Server:
     if system.startswith("ours"):
         command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--port", str(port)]
+        command += args.serve_args.split()
+        gguf = ("--quantization", "gguf", "--dtype", args.dtype)
         if system == "ours":  # the bundled GGUF's blocks as they are: serve's default
-            return Server((*command, "--quantization", "gguf", "--dtype", args.dtype))
+            return Server((*command, *gguf))
+        if system == "ours-ngram":
+            return Server((*command, *gguf, "--speculative-config", json.dumps(NGRAM_CONFIG)))
         return Server((*command, "--dtype", args.dtype))  # dequantised to the dtype
     if system == "vllm":
         vllm_args = ["--served-model-name", DEFAULT_MODEL_NAME, "--max-model-len", "2048",
@@ -167,19 +187,21 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
         startup = time.monotonic() - start
         runs = itertools.product(args.cases, args.concurrency)
         for seed, (case, concurrency) in enumerate(runs):
-            input_len, output_len = (int(v) for v in case.split("x"))
+            num_prompts = max(2, args.prompts_per_stream * concurrency)
+            input_len, output_len, case_extra = case_args(case, num_prompts, out_dir)
             bench_args = SimpleNamespace(
                 input_len=input_len,
                 output_len=output_len,
-                num_prompts=max(2, args.prompts_per_stream * concurrency),
+                num_prompts=num_prompts,
                 concurrency=concurrency,
             )
             tag = f"{system}-{case}-c{concurrency}"
             detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
             counters = padding_counters(url) if system.startswith("ours") else {}
+            drafts = spec_counters(url) if system == "ours-ngram" else {}
             r = run_vllm_bench(
                 url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
-                seed=seed, extra_args=(*spec.bench_args, *detailed),
+                seed=seed, extra_args=(*spec.bench_args, *detailed, *case_extra),
             )  # fmt: skip
             if spec.is_counted_at_full_length:
                 results[(case, concurrency)] = full_length_figures(r, output_len)
@@ -198,6 +220,8 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
             if system.startswith("ours"):
                 time.sleep(1.5)  # the worker writes its counters about once a second
                 print(f"{tag}: {padding_waste(counters, padding_counters(url))}")
+            if system == "ours-ngram":
+                print(f"{tag}: {acceptance(drafts, spec_counters(url))}")
         memory = server_memory(port)
     return startup, results, memory
 
@@ -271,7 +295,7 @@ def print_table(runs: dict, systems: list[str], args) -> None:
     for system in systems:
         weights = f"{args.dtype}, dequantised from the bundled GGUF"
         gguf = find_default_gguf()
-        if system == "ours":
+        if system in ("ours", "ours-ngram"):
             weights = f"the bundled GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} compute"
         if system == "llamacpp":
             weights = f"{args.llamacpp.label}, the bundled GGUF itself ({gguf_file_type(gguf)})"
@@ -289,6 +313,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--prompts-per-stream", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--serve-args", default="", help="extra flags for every vllm-aot serve")
     parser.add_argument(
         "--llamacpp-server", choices=KINDS, default=None, help="default: native if built"
     )

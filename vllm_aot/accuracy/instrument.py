@@ -32,9 +32,9 @@ class InstrumentedLayer(Layer):
     """`programs.Layer` whose sub-layer outputs go to `tap` (same signature and outputs)."""
 
     def __init__(
-        self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool, tap: SublayerSink
+        self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind, tap: SublayerSink
     ) -> None:
-        super().__init__(arch, config, is_prefill=is_prefill)
+        super().__init__(arch, config, kind=kind)
         self.tap = tap
 
     def observe(self, name: str, tensor: torch.Tensor) -> None:
@@ -49,8 +49,7 @@ def instrumented_model(model: CompiledModel, tap: SublayerSink, num_tokens: int)
     programs = dict(model.programs)
     for key in programs:
         if key.is_layer:
-            is_prefill = key.kind is ProgramKind.PREFILL
-            layer = InstrumentedLayer(model.arch, model.config, is_prefill=is_prefill, tap=tap)
+            layer = InstrumentedLayer(model.arch, model.config, kind=key.kind, tap=tap)
             programs[key] = torch.no_grad()(layer)
     num_blocks = blocks_needed(num_tokens, model.config.block_size) + 1  # + the dummy block
     return CompiledModel(

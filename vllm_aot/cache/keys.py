@@ -119,7 +119,12 @@ def program_fingerprint(arch: ModelArch, config: RuntimeConfig, key: ProgramKey)
     return {
         "format": CACHE_FORMAT,
         "arch": arch.digest_fields(),
-        "program": {"kind": key.kind.value, "size": key.size, "context": key.context_tokens},
+        "program": {
+            "kind": key.kind.value,
+            "size": key.size,
+            "context": key.context_tokens,
+            "drafts": key.num_drafts,
+        },
         "runtime": {name: shapes[name] for name in _PROGRAM_FIELDS},
         "backend": "inductor",
         "flags": compiler_flags(key.kind),

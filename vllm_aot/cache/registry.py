@@ -46,7 +46,7 @@ RUNTIME_SELECTABLE = (
     "dtype",
 )  # every record holds these
 # Fields records written before they existed lack: their value there.
-_LATER_FIELDS = {"quantization": "none", "kv_cache_dtype": "auto"}
+_LATER_FIELDS = {"quantization": "none", "kv_cache_dtype": "auto", "num_speculative_tokens": 0}
 SELECTABLE = (*RUNTIME_SELECTABLE, *_LATER_FIELDS, "tensor_parallel_size")
 
 
@@ -275,7 +275,8 @@ def select_configuration(
 
 def describe_rows(entries: list[CompiledConfiguration]) -> list[list[str]]:
     """Header + one row per configuration, for `vllm-aot cache lookup` and error messages."""
-    rows = [["batch", "max len", "block", "chunk", "dtype", "weights", "KV", "TP", "target"]]
+    rows = [["batch", "max len", "block", "chunk", "dtype", "weights", "KV", "drafts", "TP"]]
+    rows[0] += ["target"]
     rows[0] += ["versions", "where"]
     for e in entries:
         r = e.runtime
@@ -288,6 +289,7 @@ def describe_rows(entries: list[CompiledConfiguration]) -> list[list[str]]:
                 r["dtype"],
                 RuntimeConfig.from_dict(r).formats_summary(),
                 e.value("kv_cache_dtype"),
+                _drafts(e),
                 str(e.tensor_parallel_size),
                 e.target,
                 f"torch {e.torch}, vllm-aot {e.vllm_aot}"
@@ -296,3 +298,12 @@ def describe_rows(entries: list[CompiledConfiguration]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _drafts(entry: CompiledConfiguration) -> str:
+    """Speculative decoding's verify programs: "k=3 b1,2,4,8", or "-" for none."""
+    k = entry.value("num_speculative_tokens")
+    if not k:
+        return "-"
+    buckets = entry.runtime.get("verify_batch_buckets") or ()
+    return f"k={k} b{','.join(str(b) for b in buckets)}"

@@ -173,6 +173,52 @@ def prefill_attention(
     return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
 
 
+def verify_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: PagedKV,
+    block_tables: torch.Tensor,
+    context_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's `n` new tokens (its newest and its drafts) against that row's cached blocks
+    and, causally, its own new keys (speculative decoding's verify step).
+
+    q: [rows * n, heads, head_dim], row-major by row then position; k_new, v_new:
+    [rows * n, kv_heads, head_dim]; block_tables: [rows, ctx_blocks]; context_mask:
+    [rows, ctx_blocks * block_size] (True for cached positions < the row's context length).
+    Returns [rows * n, heads * head_dim] in q's dtype. Every query sees its own key, so padded
+    rows and positions are never all-masked; what they compute is never read.
+
+    torch's SDPA in float32 with the row as the batch dimension, as prefill's: the query block
+    is small (n <= 9), the keys one row's context bucket.
+    """
+    rows, num_ctx_blocks = block_tables.shape
+    n = q.shape[0] // rows
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    num_ctx = num_ctx_blocks * cache.k.shape[1]
+    k_ctx = dequantize_kv(cache.k[block_tables], cache.k_scale, k_new.dtype)
+    v_ctx = dequantize_kv(cache.v[block_tables], cache.v_scale, v_new.dtype)
+    k_ctx = k_ctx.reshape(rows, num_ctx, num_kv_heads, head_dim)
+    v_ctx = v_ctx.reshape(rows, num_ctx, num_kv_heads, head_dim)
+    k = torch.cat([k_ctx, k_new.view(rows, n, num_kv_heads, head_dim)], dim=1).transpose(1, 2)
+    v = torch.cat([v_ctx, v_new.view(rows, n, num_kv_heads, head_dim)], dim=1).transpose(1, 2)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    mask = torch.cat(
+        [context_mask[:, None, :].expand(rows, n, num_ctx), causal.expand(rows, n, n)], dim=-1
+    )  # [rows, n, keys]
+    out = F.scaled_dot_product_attention(
+        q.float().view(rows, n, num_heads, head_dim).transpose(1, 2),
+        k.float(),
+        v.float(),
+        attn_mask=mask[:, None],
+        scale=head_dim**-0.5,
+        enable_gqa=True,
+    )  # [rows, heads, n, d]
+    return out.transpose(1, 2).reshape(rows * n, num_heads * head_dim).to(q.dtype)
+
+
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> QKV:
     """A fused q|k|v projection [tokens, q_size + 2 * kv_size] -> per-head q, k, v."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

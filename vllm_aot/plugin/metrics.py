@@ -16,10 +16,13 @@ Start-up (compile cache):
 - `vllm_aot:compile_seconds_total`, `vllm_aot:remote_fetch_seconds_total`,
   `vllm_aot:program_load_seconds_total`, `vllm_aot:weights_load_seconds_total`.
 
-Steps (what the buckets cost; `kind` is `prefill` or `decode`, `slot` is `real` or `padding`):
+Steps (what the buckets cost; `kind` is `prefill`, `decode` or `verify` (speculative decoding:
+its tokens are every row's newest and drafts, padded to k + 1 a row), `slot` is `real` or
+`padding`; vLLM's own `vllm:spec_decode_*` series count drafts and acceptances):
 - `vllm_aot:program_executions_total{program,kind}`: runs per compiled program, zeros included
   (an unused bucket shows as 0). A layer program counts once per layer pass (it runs once per
-  decoder layer within it); a head program (`greedy`/`sample` kinds) once per head run;
+  decoder layer within it); a head program (`greedy`/`sample`/`verify_greedy`/`verify_sample`
+  kinds) once per head run;
 - `vllm_aot:bucket_rows_total{kind,slot}`: sequences vs padded rows of the row bucket (prefill:
   the head's row bucket; decode: the batch bucket);
 - `vllm_aot:bucket_tokens_total{kind,slot}`: tokens vs padded tokens of the token bucket

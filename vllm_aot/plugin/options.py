@@ -94,6 +94,22 @@ def _default_chunk(runner: str, max_model_len: int) -> int:
     return min(default, max_model_len) if runner == "generate" else max(default, max_model_len)
 
 
+def _check_speculative(asked: int, given: int | None, artifact: str | None = None) -> None:
+    """--speculative-config's drafts per step (`asked`) against another source's (`given`: the
+    exported directory's, or --additional-config's; None: not given)."""
+    if given is None or given == asked:
+        return
+    source = (
+        f"{artifact} is an exported directory compiled for"
+        if artifact
+        else "--additional-config sets"
+    )
+    raise ValueError(
+        f"{source} num_speculative_tokens {given}; --speculative-config asks {asked} "
+        "(give it there)"
+    )
+
+
 def resolve_options(
     *,
     model: str,
@@ -109,9 +125,11 @@ def resolve_options(
     kv_cache_dtype: str = "auto",
     runner: str = "generate",
     convert: str | None = None,
+    num_speculative_tokens: int = 0,
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
-    `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one."""
+    `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one;
+    `num_speculative_tokens` is --speculative-config's (0: none)."""
     extra = {k: v for k, v in (extra or {}).items() if k != RESOLVED_KEY}
     known = set(RuntimeConfig.__dataclass_fields__) | set(OPTION_KEYS)
     unknown = sorted(set(extra) - known)
@@ -121,6 +139,7 @@ def resolve_options(
             f"known: {', '.join(sorted(known))}"
         )
     options = {k: extra.pop(k) for k in OPTION_KEYS if k in extra}
+    _check_speculative(num_speculative_tokens, extra.get("num_speculative_tokens"))
     kv = None if kv_cache_dtype in ("auto", str(dtype).removeprefix("torch.")) else kv_cache_dtype
     if is_artifact_dir(model):
         runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
@@ -129,6 +148,7 @@ def resolve_options(
                 f"{model} is an exported directory compiled for kv_cache_dtype "
                 f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
             )
+        _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
         if extra:
             raise ValueError(
                 f"{model} is an exported directory whose shapes are fixed; "
@@ -145,6 +165,8 @@ def resolve_options(
     }
     if quantization is not None:
         fields["quantization"] = quantization
+    if num_speculative_tokens:
+        fields["num_speculative_tokens"] = num_speculative_tokens
     if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
         fields["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:

@@ -21,6 +21,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
+from vllm_aot.plugin.spec_decode import num_speculative_tokens, speculative_problems
 from vllm_aot.runtime.config import CONVERTS, QUANTIZATIONS, RUNNERS
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
@@ -44,8 +45,7 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append("tensor/pipeline parallelism (use vllm-aot serve --data-parallel-size)")
     if parallel.data_parallel_size > 1:
         problems.append("vLLM's data parallelism (use vllm-aot serve --data-parallel-size)")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding")
+    problems += speculative_problems(vllm_config.speculative_config)
     if vllm_config.lora_config is not None:
         problems.append("LoRA adapters")
     problems += _refuse_runner(model_config, archs)
@@ -110,6 +110,16 @@ def _refuse_unchunked_budget(scheduler_config, runtime) -> None:
             f"below --max-model-len {runtime.max_model_len} for a pooling model whose prompts "
             "vLLM does not chunk (supported: max_num_batched_tokens >= max_model_len)"
         )
+
+
+def _speculative_summary(spec_config, runtime) -> str:
+    """What the start-up line shows of speculative decoding."""
+    if spec_config is None:
+        return "off"
+    return (
+        f"{spec_config.method} k={runtime.num_speculative_tokens} "
+        f"(verify batches {runtime.verify_batch_buckets})"
+    )
 
 
 def _max_logprobs(requested: int, num_logprobs: int) -> int:
@@ -214,6 +224,7 @@ class AotPlatform(CpuPlatform):
             kv_cache_dtype=cache_config.cache_dtype,
             runner=model_config.runner_type,
             convert=_convert(model_config),
+            num_speculative_tokens=num_speculative_tokens(vllm_config),
         )
         runtime = options.runtime
         if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:
@@ -259,6 +270,10 @@ class AotPlatform(CpuPlatform):
         extra[RESOLVED_KEY] = options.to_dict()
         vllm_config.additional_config = extra
         _log_shapes(runtime, options.artifact_dir, is_async=is_async)
+        logger.info(
+            "vllm-aot: speculative decoding %s",
+            _speculative_summary(vllm_config.speculative_config, runtime),
+        )
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

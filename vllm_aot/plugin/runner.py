@@ -4,7 +4,9 @@ Per step: forget finished requests, record new and updated ones (the scheduler s
 blocks and sampling parameters once; we keep the tokens we sample), then run the layers in
 `execute_model` and the head in `sample_tokens`, after vLLM has computed the grammar bitmask for
 structured-output requests. A step is one prompt's chunk or every running request's decode
-(the policy's steps, `runtime/policy.py`, AotScheduler's guarantee).
+(the policy's steps, `runtime/policy.py`, AotScheduler's guarantee). Decode rows that carry
+drafts make the step a verify step (`plugin/spec_decode.py`): one verify program, every row's
+accepted drafts plus one token back, and the next drafts proposed for `take_draft_token_ids`.
 While a profiler records, the host-side phases are named ranges (`update_states`,
 `logits_processing`, `runner_output`) around the model's own (see CompiledModel).
 
@@ -26,6 +28,7 @@ import torch
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    DraftTokenIds,
     LogprobsLists,
     LogprobsTensors,
     ModelRunnerOutput,
@@ -40,7 +43,8 @@ from vllm_aot.plugin.requests import (
     prompt_of,
     refuse_unservable,
 )
-from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, prefill_key
+from vllm_aot.plugin.spec_decode import Drafter, run_verify, strip_padding
+from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, VerifyInputs, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import is_prefilling
 from vllm_aot.runtime.sampler import SamplerOutput
@@ -52,29 +56,38 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its ha
 class ScheduledRow:
     request: CachedRequest
     start: int  # first position computed this step
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step, drafts included
+    drafts: tuple[int, ...] = ()  # drafted tokens to verify, after the newest
+
+    @property
+    def num_known(self) -> int:
+        """Tokens computed this step that the request holds (all but the drafts)."""
+        return self.num_tokens - len(self.drafts)
 
     @property
     def is_complete(self) -> bool:
         """The step reaches the end of the request's known tokens: a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_known == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        """One token, the newest, past the prompt (the policy's decode, see is_prefilling)."""
-        return self.num_tokens == 1 and not is_prefilling(self.request)
+        """The newest token past the prompt, and its drafts (the policy's decode, see
+        is_prefilling)."""
+        return self.num_known == 1 and not is_prefilling(self.request)
 
 
 class Sampled(NamedTuple):
-    """A request's sampled token: row `row` of a head output (or of its host re-sampling)."""
+    """A request's sampled tokens: rows `row`.. of a head output (or of its host re-sampling);
+    more than one when a verify step accepted drafts."""
 
     out: SamplerOutput
     row: int
     num_logprobs: int | None  # top-n the request asked for (None: no logprobs)
+    num_tokens: int = 1
 
     @property
-    def token(self) -> int:
-        return int(self.out.tokens[self.row])
+    def tokens(self) -> list[int]:
+        return self.out.tokens[self.row : self.row + self.num_tokens].tolist()
 
 
 @dataclass(frozen=True)
@@ -82,8 +95,9 @@ class LayerOutput:
     """Hidden states of one program run, waiting for the head: rows[i] <-> hidden[i]."""
 
     rows: tuple[ScheduledRow, ...]
-    hidden: torch.Tensor  # [row bucket, hidden]
+    hidden: torch.Tensor  # [row bucket, hidden]; a verify step's: [row bucket * (k + 1), hidden]
     tokens: torch.Tensor | None = None  # [step tokens, hidden]: a prefill step's every token
+    verify: VerifyInputs | None = None  # a verify step's inputs (its drafts)
 
 
 @dataclass
@@ -96,11 +110,13 @@ class PendingStep:
 
 
 class AotModelRunner:
-    def __init__(self, model: CompiledModel) -> None:
+    def __init__(self, model: CompiledModel, drafter: Drafter | None = None) -> None:
         self.model = model
         self.requests: dict[str, CachedRequest] = {}
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt logprobs are in progress
         self._pending: PendingStep | None = None
+        self.drafter = drafter  # None: no speculative decoding
+        self._drafts: DraftTokenIds | None = None
 
     def _fail(self, exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
         """`exc` ends the requests `req_ids` (forgotten, recorded in `failed`), or, when it is
@@ -184,7 +200,7 @@ class AotModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         req_ids = list(out.num_scheduled_tokens)
         rows = [
-            ScheduledRow(self.requests[rid], self.requests[rid].num_computed_tokens, n)
+            self._scheduled_row(rid, n, out.scheduled_spec_decode_tokens.get(rid))
             for rid, n in out.num_scheduled_tokens.items()
             if rid in self.requests
         ]
@@ -198,6 +214,12 @@ class AotModelRunner:
         self._pending = PendingStep(req_ids, layers, failed)
         return None
 
+    def _scheduled_row(self, req_id: str, num_tokens: int, drafts) -> ScheduledRow:
+        """vLLM's padding drafts (-1) are not computed: they leave `num_tokens` too."""
+        request, real = self.requests[req_id], strip_padding(drafts)
+        num_padding = len(drafts or ()) - len(real)
+        return ScheduledRow(request, request.num_computed_tokens, num_tokens - num_padding, real)
+
     def _run_layers(self, rows: Sequence[ScheduledRow]) -> LayerOutput:
         """The step's layer programs: the one prefill chunk, or every row's decode."""
         num_decode = sum(r.is_decode for r in rows)
@@ -205,6 +227,9 @@ class AotModelRunner:
             f"mixed step: {num_decode} decode and {len(rows) - num_decode} prefill rows; "
             "AotScheduler never schedules one"
         )
+        if num_decode and any(r.drafts for r in rows):
+            hidden, inputs = run_verify(self.model, rows)
+            return LayerOutput(tuple(rows), hidden, verify=inputs)
         if num_decode:
             decode_rows = [
                 DecodeRow(r.request.token(r.start), r.start, r.request.block_table) for r in rows
@@ -255,23 +280,29 @@ class AotModelRunner:
             RowSampling(
                 r.request.sampling,
                 r.request.seed,
-                r.start + r.num_tokens,
+                r.start + r.num_known,
                 masks.get(r.request.req_id),
             )
             for r in layer.rows
         ]
-        out = self.model.sample(layer.hidden, sampling)
+        if layer.verify is None:
+            out, num_accepted, n = self.model.sample(layer.hidden, sampling), None, 1
+        else:
+            out, num_accepted = self.model.sample_verify(layer.hidden, layer.verify, sampling)
+            n = layer.verify.key.num_positions  # head rows per row
         sampled: dict[str, Sampled] = {}
         for i, row in enumerate(layer.rows):
             if not row.is_complete:
                 continue
             request = row.request
-            if not needs_logits_processing(request.params):
-                sampled[request.req_id] = Sampled(out, i, request.params.logprobs)
+            if not needs_logits_processing(request.params):  # rows with drafts never do
+                count = 1 if num_accepted is None else 1 + int(num_accepted[i])
+                sampled[request.req_id] = Sampled(out, i * n, request.params.logprobs, count)
                 continue
             try:
                 with self.model.spans("logits_processing"):
-                    resampled = resample(out.logits[i], request, sampling[i], self.model.config)
+                    logits = out.logits[i * n]
+                    resampled = resample(logits, request, sampling[i], self.model.config)
             except Exception as exc:
                 self._fail(exc, [request.req_id], failed)
                 continue
@@ -291,11 +322,12 @@ class AotModelRunner:
         tokens = []
         for req_id in req_ids:
             entry = sampled.get(req_id)
-            if entry is None:
-                tokens.append([])
-                continue
-            self.requests[req_id].output_token_ids.append(entry.token)
-            tokens.append([entry.token])
+            new = [] if entry is None else entry.tokens
+            if new:
+                self.requests[req_id].output_token_ids.extend(new)
+            tokens.append(new)
+        if self.drafter is not None:
+            self._drafts = self.drafter.propose([self.requests[r] for r in sampled])
         return AotRunnerOutput(
             req_ids=list(req_ids),
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -306,6 +338,11 @@ class AotModelRunner:
             },
             failed_requests=failed,
         )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step, once (vLLM's engine asks after each step)."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
 
 def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
@@ -319,21 +356,26 @@ def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
 
 
 def _logprobs(entries: Sequence[Sampled | None]) -> LogprobsLists | None:
-    """vLLM's layout from the head's outputs, a row per request: column 0 the sampled token,
-    then the top-k (rows without a sampled token or without logprobs stay zero)."""
+    """vLLM's layout from the head's outputs, a row per generated token (one per request
+    without drafts; `cu_num_generated_tokens` gives each request's first): column 0 the sampled
+    token, then the top-k (rows of requests without logprobs stay zero)."""
     wanted = [e.num_logprobs for e in entries if e is not None and e.num_logprobs is not None]
     if not wanted:
         return None
     k = max(wanted)
-    ids = np.zeros((len(entries), k + 1), dtype=np.int32)
-    values = np.zeros((len(entries), k + 1), dtype=np.float32)
-    ranks = np.zeros(len(entries), dtype=np.int64)
+    counts = [1 if e is None else e.num_tokens for e in entries]
+    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    ids = np.zeros((starts[-1], k + 1), dtype=np.int32)
+    values = np.zeros((starts[-1], k + 1), dtype=np.float32)
+    ranks = np.zeros(starts[-1], dtype=np.int64)
     for i, entry in enumerate(entries):
         if entry is None or entry.num_logprobs is None:
             continue
-        out, j = entry.out, entry.row
-        ids[i, 0], values[i, 0] = entry.token, float(out.token_logprobs[j])
-        ids[i, 1:] = out.top_ids[j, :k].numpy()
-        values[i, 1:] = out.top_logprobs[j, :k].numpy()
-        ranks[i] = int(out.token_ranks[j])
-    return LogprobsLists(ids, values, ranks)
+        out, rows = entry.out, slice(entry.row, entry.row + entry.num_tokens)
+        at = slice(starts[i], starts[i] + entry.num_tokens)
+        ids[at, 0], values[at, 0] = out.tokens[rows].numpy(), out.token_logprobs[rows].numpy()
+        ids[at, 1:] = out.top_ids[rows, :k].numpy()
+        values[at, 1:] = out.top_logprobs[rows, :k].numpy()
+        ranks[at] = out.token_ranks[rows].numpy()
+    is_one_each = starts[-1] == len(entries)
+    return LogprobsLists(ids, values, ranks, None if is_one_each else starts[:-1])

@@ -4,7 +4,9 @@ vLLM's scheduler mixes decodes, prefill chunks and new requests in one step; a s
 backend runs prefill and decode as different programs, so each step here is what the policy
 picks: a prompt in flight alone, one chunk; else the oldest ready waiting request released
 alone if admission (rows and worst-case KV blocks) allows it; else every running request
-decoding. vLLM's `Request` is the policy's `RequestView` as it is.
+decoding. vLLM's `Request` is the policy's `RequestView` as it is. With speculative decoding
+a decode row carries its drafts (vLLM's scheduler adds them), unless the batch is wider than
+every verify program; admission counts the drafts a request's last step may write.
 
 This adapter owns what is vLLM's: which waiting requests are ready (grammar compiled), and
 making `super().schedule()` build the chosen step. Requests are held in vLLM's own waiting queue,
@@ -16,6 +18,7 @@ runner uses with vLLM's own steps: whole prompts, several a step); the others go
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -26,6 +29,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_aot.plugin.faults import failed_requests
+from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.runtime import policy
 from vllm_aot.runtime.policy import Limits, StepKind
 
@@ -89,7 +93,14 @@ class AotScheduler(ReportingScheduler):
             block_size=self.block_size,
             num_usable_blocks=self.kv_cache_config.num_blocks - 1,  # block 0: vLLM's null block
             max_num_batched_tokens=config.max_num_batched_tokens,
+            num_lookahead_tokens=self.num_spec_tokens,
         )
+
+    @functools.cached_property
+    def max_verify_rows(self) -> int:
+        """The largest batch a verify program takes (0 without speculative decoding)."""
+        options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
+        return max(options.runtime.verify_batch_buckets, default=0)
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         waiting = list(self.waiting)
@@ -100,6 +111,9 @@ class AotScheduler(ReportingScheduler):
         held = [r for r in waiting if not (is_release and r is step.requests[0])]
         set_aside = [r for r in self.running if not any(r is a for a in active)]
 
+        if step.kind is StepKind.DECODE and len(active) > self.max_verify_rows:
+            for request in active:  # no verify program this wide: decode without drafts
+                request.spec_token_ids = []
         self.waiting.remove_requests(held)
         self.running = active
         try:

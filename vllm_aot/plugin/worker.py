@@ -35,6 +35,7 @@ from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
+from vllm_aot.plugin.spec_decode import Drafter
 from vllm_aot.runtime.config import RuntimeConfig
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
@@ -163,7 +164,8 @@ class AotWorker(WorkerBase):
     def _make_runner(self) -> AotModelRunner | PoolingRunner | DecoderPoolingRunner:
         """Generation's runner, or a pooling one: an encoder's, a converted decoder's."""
         if not self.is_pooling:
-            return AotModelRunner(self.model)
+            drafter = Drafter(self.vllm_config) if self.vllm_config.speculative_config else None
+            return AotModelRunner(self.model, drafter)
         pooling = self.model_config.pooler_config.seq_pooling_type
         kind = "encoder, no KV cache" if self.arch.is_encoder else "decoder, --convert embed"
         logger.info("vllm-aot: embeddings by %s pooling (%s)", pooling, kind)
@@ -204,6 +206,10 @@ class AotWorker(WorkerBase):
     def _sample_tokens(self, grammar_output):
         with self._timed("sample_tokens"):
             return self.runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self):
+        """The next step's drafts (speculative decoding), once; None without."""
+        return self.runner.take_draft_token_ids()
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:

@@ -28,6 +28,8 @@ KV_CACHE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 RUNNERS = ("generate", "pooling")
 CONVERTS = ("embed",)
 ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
+MAX_SPECULATIVE_TOKENS = 8  # drafts per row a verify program takes at most
+DEFAULT_MAX_VERIFY_BATCH = 8  # verify programs by default up to this batch bucket
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class RuntimeConfig:
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
     runner: str = "generate"  # one of RUNNERS
     convert: str | None = None  # one of CONVERTS (vLLM's --convert), a decoder under "pooling"
+    # Speculative decoding: drafts verified per row per step (0: none, no verify programs), and
+    # the batches verify programs exist for (default: the decode batches up to 8; a larger
+    # batch decodes without drafts).
+    num_speculative_tokens: int = 0
+    verify_batch_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -112,11 +119,29 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be multiples of block_size ({self.block_size})")
             # Frozen: normalise the field once, here, before anyone reads it.
             object.__setattr__(self, name, values)
+        self._check_speculative()
         if self.num_kv_blocks is not None and self.num_kv_blocks < self.max_blocks_per_seq + 1:
             raise ValueError(
                 f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
                 f"({self.max_blocks_per_seq} blocks of {self.block_size}) plus the dummy block"
             )
+
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if not k:
+            if self.verify_batch_buckets:
+                raise ValueError("verify_batch_buckets given without num_speculative_tokens")
+            return
+        default = tuple(b for b in self.decode_batch_buckets if b <= DEFAULT_MAX_VERIFY_BATCH)
+        buckets = tuple(sorted(set(self.verify_batch_buckets))) or default
+        if not set(buckets) <= set(self.decode_batch_buckets):
+            raise ValueError(
+                f"verify_batch_buckets {buckets} must be decode batch buckets "
+                f"({self.decode_batch_buckets})"
+            )
+        object.__setattr__(self, "verify_batch_buckets", buckets)
 
     def _check_formats(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

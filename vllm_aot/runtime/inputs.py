@@ -46,6 +46,15 @@ class DecodeRow:
 
 
 @dataclass(frozen=True)
+class VerifyRow:
+    """One sequence's newest token and its drafts for a verify step (speculative decoding)."""
+
+    token_ids: Sequence[int]  # the newest token, then up to k drafted ones
+    position: int  # of token_ids[0], which is also the number of tokens already cached
+    block_table: Sequence[int]  # covers position + len(token_ids) tokens
+
+
+@dataclass(frozen=True)
 class RowSampling:
     """How to sample one head row."""
 
@@ -81,6 +90,17 @@ class DecodeInputs(NamedTuple):
     slot_mapping: torch.Tensor  # [rows]
     block_tables: torch.Tensor  # [rows, ctx_blocks]
     context_mask: torch.Tensor  # [rows, ctx_blocks * block_size] bool
+
+
+class VerifyInputs(NamedTuple):
+    key: ProgramKey  # verify_b{rows}_k{k}_c{ctx_blocks * block_size}
+    token_ids: torch.Tensor  # [rows * (k + 1)], row-major by row then position
+    positions: torch.Tensor  # [rows * (k + 1)]
+    slot_mapping: torch.Tensor  # [rows * (k + 1)]: padded positions to the dummy block
+    block_tables: torch.Tensor  # [rows, ctx_blocks]
+    context_mask: torch.Tensor  # [rows, ctx_blocks * block_size] bool
+    draft_ids: torch.Tensor  # [rows, k] int64, padded with 0
+    num_drafts: torch.Tensor  # [rows] int64
 
 
 def _slots(block_table: Sequence[int], positions: range, block_size: int) -> list[int]:
@@ -319,3 +339,59 @@ def prepare_encode(sequences: Sequence[EncoderSequence], config: RuntimeConfig) 
     mask = seq_ids[:, :, None] == seq_ids[:, None, :]
     key = ProgramKey(ProgramKind.ENCODE, size)
     return EncodeInputs(key, token_ids, positions, token_types, mask, tuple(starts))
+
+
+def verify_key(rows: Sequence[VerifyRow], config: RuntimeConfig) -> ProgramKey | None:
+    """The verify program for these rows; None if no bucket fits them (or none exists)."""
+    k = config.num_speculative_tokens
+    if not k or any(len(r.token_ids) > k + 1 for r in rows):
+        return None
+    longest = max(r.position for r in rows)
+    num_ctx_tokens = config.block_size * blocks_needed(longest, config.block_size)
+    num_rows = fitting_bucket(config.verify_batch_buckets, len(rows))
+    num_ctx_tokens = fitting_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1))
+    if num_rows is None or num_ctx_tokens is None:
+        return None
+    return ProgramKey(ProgramKind.VERIFY, num_rows, num_ctx_tokens, k)
+
+
+def prepare_verify(rows: Sequence[VerifyRow], config: RuntimeConfig) -> VerifyInputs:
+    """Padded inputs of `verify_key`'s program: every row padded to k + 1 tokens (rows with
+    fewer drafts, none included, share the program); ValueError if none fits."""
+    key = verify_key(rows, config)
+    if key is None:
+        raise ValueError(
+            f"{len(rows)} verify rows of up to {max(len(r.token_ids) for r in rows)} tokens at "
+            f"positions up to {max(r.position for r in rows)} fit no verify program (batches "
+            f"{config.verify_batch_buckets}, {config.num_speculative_tokens} drafts, "
+            f"{max(config.decode_context_buckets)} cached tokens)"
+        )
+    bs, n, k = config.block_size, key.num_positions, key.num_drafts
+    num_ctx_blocks = key.context_tokens // bs
+    tables = torch.full((key.size, num_ctx_blocks), DUMMY_BLOCK, dtype=torch.int64)
+    lengths = torch.zeros(key.size, dtype=torch.int64)
+    token_ids = torch.zeros(key.size, n, dtype=torch.int64)
+    positions = torch.zeros(key.size, n, dtype=torch.int64)
+    slots = torch.full((key.size, n), DUMMY_BLOCK * bs, dtype=torch.int64)
+    num_drafts = torch.zeros(key.size, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        cached = row.block_table[: blocks_needed(row.position, bs)]
+        tables[i, : len(cached)] = torch.tensor(cached, dtype=torch.int64)
+        lengths[i] = row.position
+        m = len(row.token_ids)
+        token_ids[i, :m] = torch.tensor(row.token_ids, dtype=torch.int64)
+        positions[i] = torch.arange(row.position, row.position + n)
+        span = range(row.position, row.position + m)
+        slots[i, :m] = torch.tensor(_slots(row.block_table, span, bs), dtype=torch.int64)
+        num_drafts[i] = m - 1
+    context_mask = torch.arange(key.context_tokens)[None, :] < lengths[:, None]
+    return VerifyInputs(
+        key=key,
+        token_ids=token_ids.view(-1),
+        positions=positions.view(-1),
+        slot_mapping=slots.view(-1),
+        block_tables=tables,
+        context_mask=context_mask,
+        draft_ids=token_ids[:, 1:].clone() if k else token_ids[:, :0],
+        num_drafts=num_drafts,
+    )

@@ -37,15 +37,19 @@ from vllm_aot.runtime.inputs import (
     GivenEmbeds,
     PrefillChunk,
     RowSampling,
+    VerifyInputs,
+    VerifyRow,
     prepare_decode,
     prepare_prefill,
     prepare_sampling,
+    prepare_verify,
 )
 from vllm_aot.runtime.kv_cache import KVCache
 from vllm_aot.runtime.profiling import Spans
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
 from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, all_greedy, token_mask
 from vllm_aot.runtime.step_stats import StepStats
+from vllm_aot.runtime.verify import DraftTensors
 
 
 class Tap(Protocol):
@@ -249,6 +253,47 @@ class CompiledModel:
         return self._run_layers(
             key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, len(rows)
         )
+
+    def forward_verify(self, rows: Sequence[VerifyRow]) -> tuple[torch.Tensor, VerifyInputs]:
+        """Layers of a verify step (speculative decoding): (hidden [row bucket * (k + 1),
+        hidden], the padded inputs, whose drafts `sample_verify` takes)."""
+        with self.spans("prepare_inputs"):
+            inputs = prepare_verify(rows, self.config)
+        key = inputs.key
+        self.step_stats.record(
+            "verify",
+            num_rows=len(rows),
+            row_bucket=key.size,
+            num_tokens=sum(len(r.token_ids) for r in rows),
+            token_bucket=key.size * key.num_positions,
+            num_context_tokens=sum(r.position for r in rows),
+            context_bucket=key.size * key.context_tokens,
+        )
+        context = (inputs.block_tables, inputs.context_mask)
+        num_real = key.size * key.num_positions  # real rows' padded positions included
+        hidden = self._run_layers(
+            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, num_real
+        )
+        return hidden, inputs
+
+    def sample_verify(
+        self, hidden: torch.Tensor, inputs: VerifyInputs, sampling: Sequence[RowSampling]
+    ) -> tuple[SamplerOutput, torch.Tensor]:
+        """The verify head over `forward_verify`'s hidden states: (every position's outputs,
+        [row bucket * (k + 1)] row-major, and num_accepted [real rows]); see `runtime/verify.py`.
+        `sampling[i].position` is the position of row i's first sampled token."""
+        key = inputs.key
+        is_greedy = all_greedy(r.params for r in sampling)
+        kind = ProgramKind.VERIFY_GREEDY if is_greedy else ProgramKind.VERIFY_SAMPLE
+        with self.spans("prepare_sampling"):
+            tensors = prepare_sampling(sampling, key.size, self.arch.vocab_size)
+        drafts = DraftTensors(inputs.draft_ids, inputs.num_drafts)
+        w = self.weights
+        head = (hidden, w.final_norm, *w.lm_head.tensors)
+        *out, num_accepted = self._program(ProgramKey(kind, key.size, 0, key.num_drafts))(
+            *head, *tensors, *drafts
+        )
+        return SamplerOutput(*out), num_accepted[: len(sampling)]
 
     def prefill(
         self, chunks: Sequence[PrefillChunk], sampling: Sequence[RowSampling]

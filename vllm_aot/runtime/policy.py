@@ -57,6 +57,7 @@ class Limits:
     block_size: int  # tokens per KV block
     num_usable_blocks: int  # KV blocks requests may hold (the pool less its reserved block 0)
     max_num_batched_tokens: int  # tokens of one prefill chunk
+    num_lookahead_tokens: int = 0  # drafts a step may compute past the newest token
 
     @classmethod
     def of(cls, config: RuntimeConfig, num_kv_blocks: int) -> Limits:
@@ -67,6 +68,7 @@ class Limits:
             block_size=config.block_size,
             num_usable_blocks=num_kv_blocks - 1,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            num_lookahead_tokens=config.num_speculative_tokens,
         )
 
 
@@ -103,8 +105,10 @@ def next_chunk(request: RequestView, limits: Limits) -> range:
 
 
 def worst_case_blocks(request: RequestView, limits: Limits) -> int:
-    """KV blocks of the request at its longest: prompt + max_tokens, capped at max_model_len."""
-    num_tokens = min(request.num_prompt_tokens + request.max_tokens, limits.max_model_len)
+    """KV blocks of the request at its longest: prompt + max_tokens (+ the drafts its last step
+    may verify), capped at max_model_len."""
+    longest = request.num_prompt_tokens + request.max_tokens + limits.num_lookahead_tokens
+    num_tokens = min(longest, limits.max_model_len)
     return blocks_needed(num_tokens, limits.block_size)
 
 

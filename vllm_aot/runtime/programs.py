@@ -6,6 +6,10 @@
 - `greedy_r{rows}` / `sample_r{rows}`: final norm, LM head and the on-device sampler.
 - `encode_t{tokens}` (runner "pooling", encoders): one encoder layer over packed sequences
   attending bidirectionally within each, no KV cache.
+- `verify_b{rows}_k{k}_c{ctx}`: one decoder layer over `rows` rows of `k + 1` tokens each (the
+  newest and `k` drafted ones), each row reading `ctx` cached tokens (speculative decoding).
+- `verify_greedy_r{rows}_k{k}` / `verify_sample_r{rows}_k{k}`: the head over those positions, with
+  the acceptance step (`runtime/verify.py`).
 
 Each program states its example inputs here, once; `backends.py` turns a program into something
 callable (eagerly, or compiled ahead of time by Inductor).
@@ -30,12 +34,19 @@ from vllm_aot.kernels import (
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec
 from vllm_aot.models.formats import dense_format, weight_format
-from vllm_aot.models.layers import PagedKV, packed_attention, prefill_attention, rms_norm
+from vllm_aot.models.layers import (
+    PagedKV,
+    packed_attention,
+    prefill_attention,
+    rms_norm,
+    verify_attention,
+)
 from vllm_aot.models.linear import LM_HEAD
 from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import LayerWeights
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.sampler import SamplingTensors, mask_words, sample_rows
+from vllm_aot.runtime.verify import DraftTensors, accept_drafts
 
 
 class ProgramKind(StrEnum):
@@ -44,24 +55,38 @@ class ProgramKind(StrEnum):
     GREEDY = "greedy"
     SAMPLE = "sample"
     ENCODE = "encode"
+    VERIFY = "verify"
+    VERIFY_GREEDY = "verify_greedy"
+    VERIFY_SAMPLE = "verify_sample"
+
+
+LAYER_KINDS = (ProgramKind.PREFILL, ProgramKind.DECODE, ProgramKind.VERIFY)
+GREEDY_KINDS = (ProgramKind.GREEDY, ProgramKind.VERIFY_GREEDY)
 
 
 @dataclass(frozen=True, order=True)
 class ProgramKey:
     kind: ProgramKind
-    size: int  # tokens (prefill) or rows (decode, heads)
+    size: int  # tokens (prefill) or rows (decode, verify, heads)
     context_tokens: int = 0  # cached tokens read (layers only)
+    num_drafts: int = 0  # drafted tokens per row (verify programs only)
 
     @property
     def name(self) -> str:
         is_tokens = self.kind in (ProgramKind.PREFILL, ProgramKind.ENCODE)
         letter = "t" if is_tokens else ("b" if self.is_layer else "r")
-        suffix = f"_c{self.context_tokens}" if self.is_layer else ""
-        return f"{self.kind.value}_{letter}{self.size}{suffix}"
+        drafts = f"_k{self.num_drafts}" if self.num_drafts else ""
+        context = f"_c{self.context_tokens}" if self.is_layer else ""
+        return f"{self.kind.value}_{letter}{self.size}{drafts}{context}"
 
     @property
     def is_layer(self) -> bool:
-        return self.kind in (ProgramKind.PREFILL, ProgramKind.DECODE)
+        return self.kind in LAYER_KINDS
+
+    @property
+    def num_positions(self) -> int:
+        """Tokens (head rows) per row: 1, or the newest plus the drafts of a verify program."""
+        return self.num_drafts + 1
 
 
 def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
@@ -81,6 +106,15 @@ def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
     ]
     for kind in (ProgramKind.GREEDY, ProgramKind.SAMPLE):
         keys += [ProgramKey(kind, r) for r in config.head_row_buckets]
+    k = config.num_speculative_tokens
+    if k:
+        keys += [
+            ProgramKey(ProgramKind.VERIFY, b, c, k)
+            for b in config.verify_batch_buckets
+            for c in config.decode_context_buckets
+        ]
+        for kind in (ProgramKind.VERIFY_GREEDY, ProgramKind.VERIFY_SAMPLE):
+            keys += [ProgramKey(kind, b, 0, k) for b in config.verify_batch_buckets]
     return keys
 
 
@@ -103,10 +137,10 @@ class Layer(nn.Module):
     -> (hidden, k_new, v_new), where the pools are in the KV cache dtype and the scales float32
     scalars (`models.layers.PagedKV`: inputs, since one program serves every layer),
     (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and (block_tables,
-    context_mask) for decode, and `weights` follow `LayerSpec.tensor_names`.
+    context_mask) for decode and verify, and `weights` follow `LayerSpec.tensor_names`.
     """
 
-    def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_prefill: bool) -> None:
+    def __init__(self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind) -> None:
         super().__init__()
         self.arch = arch
         self.decoder_layer = family_of(arch).decoder_layer
@@ -115,7 +149,8 @@ class Layer(nn.Module):
         cpu = cpu_features()
         formats = {linear.format for linear in self.spec.linears()}
         self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
-        self.attention = prefill_attention if is_prefill else decode_attention_fn(attention_impl())
+        attention = {ProgramKind.PREFILL: prefill_attention, ProgramKind.VERIFY: verify_attention}
+        self.attention = attention.get(kind) or decode_attention_fn(attention_impl())
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights):
         tensors = dict(zip(self.tensor_names, weights, strict=True))
@@ -173,10 +208,11 @@ class Head(nn.Module):
     caller reads them only for rows processed on the host and for validation.
     """
 
-    def __init__(self, arch: ModelArch, config: RuntimeConfig, *, is_greedy: bool) -> None:
+    def __init__(self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
-        self.is_greedy = is_greedy
+        self.is_greedy = kind in GREEDY_KINDS
+        self.is_verify = kind in (ProgramKind.VERIFY_GREEDY, ProgramKind.VERIFY_SAMPLE)
         self.num_logprobs = config.num_logprobs
         self.num_candidates = config.num_sampling_candidates
         fmt = weight_format(config.linear_format(LM_HEAD))
@@ -186,18 +222,22 @@ class Head(nn.Module):
 
     def forward(self, hidden, final_norm, *rest) -> tuple[torch.Tensor, ...]:
         lm_head, sampling = rest[: self.num_head_tensors], rest[self.num_head_tensors :]
-        t = SamplingTensors(*sampling)
+        num_fields = len(SamplingTensors._fields)
+        t = SamplingTensors(*sampling[:num_fields])
         logits = self.linear(rms_norm(hidden, final_norm, self.eps), *lm_head, None)
         logits = logits.float()
-        out = sample_rows(
-            logits,
-            t,
+        settings = dict(
             is_greedy=self.is_greedy,
             num_logprobs=self.num_logprobs,
             num_candidates=self.num_candidates,
             stats=self.stats,
         )
-        return tuple(out)
+        if self.is_verify:
+            out, num_accepted = accept_drafts(
+                logits, t, DraftTensors(*sampling[num_fields:]), **settings
+            )
+            return (*out, num_accepted)
+        return tuple(sample_rows(logits, t, **settings))
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
@@ -205,8 +245,8 @@ def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.
     if key.kind is ProgramKind.ENCODE:
         return Encoder(arch, config)
     if key.is_layer:
-        return Layer(arch, config, is_prefill=key.kind is ProgramKind.PREFILL)
-    return Head(arch, config, is_greedy=key.kind is ProgramKind.GREEDY)
+        return Layer(arch, config, kind=key.kind)
+    return Head(arch, config, kind=key.kind)
 
 
 def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> tuple:
@@ -221,7 +261,8 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
             *flatten_weights(layer_spec(arch, config).example_tensors(dt)),
         )
     if key.is_layer:
-        n = key.size
+        n = key.size * key.num_positions  # tokens
+        rows = key.size
         bs = config.block_size
         pool = (2, bs, arch.num_kv_heads, arch.head_dim)  # dim 0 is dynamic: the pool's size
         weights = layer_spec(arch, config).example_tensors(dt)
@@ -233,8 +274,8 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
             )
         else:
             ctx = (
-                torch.zeros(n, ctx_blocks, dtype=i64),
-                torch.ones(n, key.context_tokens, dtype=torch.bool),
+                torch.zeros(rows, ctx_blocks, dtype=i64),
+                torch.ones(rows, key.context_tokens, dtype=torch.bool),
             )
         return (
             torch.zeros(n, arch.hidden_size, dtype=dt),
@@ -249,8 +290,13 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
         )
     rows = key.size
     lm_head = weight_format(config.linear_format(LM_HEAD))
+    drafts = (
+        (torch.zeros(rows, key.num_drafts, dtype=i64), torch.zeros(rows, dtype=i64))
+        if key.num_drafts
+        else ()
+    )
     return (
-        torch.zeros(rows, arch.hidden_size, dtype=dt),
+        torch.zeros(rows * key.num_positions, arch.hidden_size, dtype=dt),
         torch.ones(arch.hidden_size, dtype=dt),
         *lm_head.example(arch.vocab_size, arch.hidden_size),
         torch.ones(rows),
@@ -260,6 +306,7 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
         torch.zeros(rows, dtype=i64),
         torch.zeros(rows, dtype=i64),
         torch.full((rows, mask_words(arch.vocab_size)), -1, dtype=torch.int32),
+        *drafts,
     )
 
 

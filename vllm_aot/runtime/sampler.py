@@ -195,6 +195,17 @@ def _random_tokens(
 
     masked: [rows, vocab] logits with disallowed tokens at -inf; allowed: [rows, vocab] bool.
     """
+    probs, keep = target_probs(masked, allowed, t, num_candidates)
+    uniforms = seeded_uniform(t.seeds, t.positions, masked.shape[-1])
+    return race(probs, keep, uniforms)
+
+
+def target_probs(
+    masked: torch.Tensor, allowed: torch.Tensor, t: SamplingTensors, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a sampled row draws from: (probs [rows, vocab] after temperature, keep [rows, vocab]
+    bool after min-p, top-k, top-p and the mask); the distribution is probs over keep,
+    renormalised."""
     probs = torch.softmax(masked / t.temperature[:, None], dim=-1)  # [rows, vocab]
     cand_probs, _ = probs.topk(num_candidates, dim=-1)  # [rows, cand], descending
     rank = torch.arange(num_candidates, device=masked.device)
@@ -206,8 +217,10 @@ def _random_tokens(
     is_truncated = ((t.top_k > 0) | (t.top_p < 1.0))[:, None]
     threshold = torch.where(is_truncated, threshold, 0.0)
     threshold = torch.maximum(threshold, t.min_p[:, None] * cand_probs[:, :1])
-    keep = (probs >= threshold) & allowed
+    return probs, (probs >= threshold) & allowed
 
-    noise = -torch.log(seeded_uniform(t.seeds, t.positions, masked.shape[-1]))
-    race = torch.where(keep, probs / noise, -1.0)
-    return race.argmax(dim=-1)
+
+def race(probs: torch.Tensor, keep: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax of probs / -log(u) over `keep`, a draw from probs over keep
+    renormalised (tokens [rows]); `uniforms` [rows, vocab] from `seeded_uniform`."""
+    return torch.where(keep, probs / -torch.log(uniforms), -1.0).argmax(dim=-1)

@@ -17,7 +17,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYER_KINDS = ("prefill", "decode", "encode")
+LAYER_KINDS = ("prefill", "decode", "verify", "encode")
 # Upper bounds of the padding-fraction histogram's buckets (a fraction never exceeds 1).
 PADDING_FRACTION_BOUNDS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 

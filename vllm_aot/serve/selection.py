@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from vllm_aot.runtime.config import KV_CACHE_ALIASES
-from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value
+from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value, speculative_tokens
 
 DEFAULT_DTYPE = "bfloat16"  # vLLM's "auto" on a CPU for float32 and bfloat16 checkpoints
 _INT_FLAGS = {
@@ -40,6 +40,7 @@ def requested_shapes(flags: ShapeFlags, passthrough: tuple[str, ...]) -> dict[st
     kv = flags.kv_cache_dtype or flag_value(passthrough, "--kv-cache-dtype") or "auto"
     pinned["kv_cache_dtype"] = KV_CACHE_ALIASES.get(kv, kv)
     pinned["tensor_parallel_size"] = flags.tensor_parallel_size
+    pinned["num_speculative_tokens"] = speculative_tokens(passthrough)
     return pinned
 
 

@@ -140,6 +140,23 @@ def _merge_additional_config(
     return {**ours, **theirs}, without_flag(passthrough, "--additional-config")
 
 
+def speculative_tokens(passthrough: tuple[str, ...]) -> int:
+    """Drafts per step `--speculative-config` asks for (0 without it): the verify programs'."""
+    text = flag_value(passthrough, "--speculative-config")
+    return int(json.loads(text).get("num_speculative_tokens") or 0) if text else 0
+
+
+def _speculative_reason(passthrough: tuple[str, ...]) -> str:
+    text = flag_value(passthrough, "--speculative-config")
+    if not text:
+        return "speculative decoding off (--speculative-config)"
+    spec = json.loads(text)
+    return (
+        f"speculative decoding: {spec.get('method')} with {speculative_tokens(passthrough)} "
+        "drafts a step (from --speculative-config)"
+    )
+
+
 def _same(flag_text: str, manifest_value: Any) -> bool:
     return str(flag_text).removeprefix("torch.") == str(manifest_value)
 
@@ -194,7 +211,7 @@ def choose_config(
             reasons.append(f"{name} = {picked} (compiled configuration in the cache registry)")
         else:
             reasons.append(f"{name} = {_DEFAULTS[name]}")
-    reasons.append("tensor_parallel_size = 1")
+    reasons += ["tensor_parallel_size = 1", _speculative_reason(passthrough)]
     return ChosenConfig(tuple(shape_args) + passthrough, config, tuple(reasons))
 
 

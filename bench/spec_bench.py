@@ -1,0 +1,90 @@
+"""Speculative decoding A/B on a shared machine: ours with and without n-gram drafts, interleaved.
+
+    .venv/bin/python bench/spec_bench.py [--cases copy,128x128] [--concurrency 1]
+                                         [--rounds 3] [--serve-args "--max-num-seqs 8"]
+
+perf_bench runs one system after the other, so on a machine other people load the two systems
+meet different loads. Here both servers (`perf_bench.server`'s `ours` and `ours-ngram`, the
+bundled GGUF, same shapes) are started first and stay up; each round then runs every case once
+on each, alternating which goes first, so both see the same load in turn. Prints each run's
+output tok/s, the per-case medians and the ngram/plain ratio, and the drafts' acceptance per
+position over all rounds (vLLM's spec-decode counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+from copy_case import acceptance, case_args, spec_counters
+from perf_bench import server
+from serve_bench import run_vllm_bench
+
+from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+from vllm_aot.testing import free_port, running_server
+
+SYSTEMS = ("ours", "ours-ngram")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="copy,128x128")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4, help="requests per run")
+    parser.add_argument("--serve-args", default="")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="vllm-aot-spec-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = prepare_default_model()
+    cases = args.cases.split(",")
+    tok_s: dict[tuple[str, str], list[float]] = {(s, c): [] for s in SYSTEMS for c in cases}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for system in SYSTEMS:
+            port = free_port()
+            spec = server(system, model, port, args)
+            log = out_dir / f"{system}-serve.log"
+            urls[system] = stack.enter_context(
+                running_server(spec.command, port=port, log_path=log, timeout=1800)
+            )
+        before = spec_counters(urls["ours-ngram"])
+        seed = 0
+        for round_ in range(args.rounds):
+            order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
+            for case in cases:
+                seed += 1
+                for system in order:
+                    input_len, output_len, extra = case_args(case, args.prompts, out_dir)
+                    bench = SimpleNamespace(
+                        input_len=input_len,
+                        output_len=output_len,
+                        num_prompts=args.prompts,
+                        concurrency=args.concurrency,
+                    )
+                    tag = f"{system}-{case}-r{round_}"
+                    r = run_vllm_bench(
+                        urls[system], model, DEFAULT_MODEL_NAME, bench, out_dir, tag,
+                        seed=seed, extra_args=extra,
+                    )  # fmt: skip
+                    tok_s[(system, case)].append(r["output_throughput"])
+                    print(f"{tag}: {r['output_throughput']:.1f} tok/s", flush=True)
+        print(f"drafts over all rounds: {acceptance(before, spec_counters(urls['ours-ngram']))}")
+    for case in cases:
+        plain = statistics.median(tok_s[("ours", case)])
+        ngram = statistics.median(tok_s[("ours-ngram", case)])
+        print(
+            f"{case} x{args.concurrency}: ours {plain:.1f} tok/s, ours-ngram {ngram:.1f} tok/s "
+            f"(medians of {args.rounds}): {ngram / plain:.2f}x"
+        )
+    print(f"results and logs in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
