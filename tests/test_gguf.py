@@ -121,6 +121,22 @@ def test_gguf_greedy_output_equals_the_dense_model_of_the_same_weights(
     assert greedy(dense_dir, tiny_config()) == ((), gguf_tokens)
 
 
+def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
+    """`vllm-aot export --compile-only --quantization gguf` fills the cache for the file's own
+    formats (it used to stop at an assert: the formats unresolved)."""
+    from vllm_aot.cli.main import main
+    from vllm_aot.loading import programs
+
+    asked = []
+    monkeypatch.setattr(
+        programs, "ensure_programs", lambda arch, config, *a, **k: asked.append(config)
+    )
+    model_dir = gguf_dirs("llama", GgmlType.Q4_1)
+    assert main(["export", str(model_dir), "--compile-only", "--quantization", "gguf"]) == 0
+    (config,) = asked
+    assert config.weight_formats == BUNDLED_FORMATS
+
+
 @pytest.mark.parametrize(
     ("types", "message"),
     [

@@ -68,10 +68,12 @@ def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
         ProgramOptions,
         check_fits,
         ensure_programs,
+        with_checkpoint_formats,
     )
     from vllm_aot.models.registry import load_arch
 
     arch = load_arch(model_dir)
+    config = with_checkpoint_formats(config, model_dir)  # a GGUF's formats, from its file
     check_fits(arch, config)
     cache = cache_from_args(args)
     report = LoadReport()
