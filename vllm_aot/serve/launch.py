@@ -40,7 +40,7 @@ from vllm_aot.serve.replicas import (
 )
 from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config, flag_value
 
-GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (see run_serve)
+GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (server_env)
 
 
 def server_command(
@@ -123,6 +123,22 @@ def choose_from_args(
     )
 
 
+def server_env() -> dict[str, str]:
+    """The environment a vLLM server (each replica) starts with: ours plus defaults."""
+    env = dict(os.environ)
+    # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
+    # OpenMP threads wait at the end of each parallel loop by spinning, 300000 turns by
+    # default (milliseconds). When another process holds a core (the API server, a client,
+    # a neighbour), a thread spinning for a preempted one burns the core that one needs:
+    # one stream's step went from 10 to 30-150 ms on a shared 2-core machine. A short spin
+    # keeps the quiet machine's speed (9.6-10.1 ms against 9.9-10.2) and bounds that waste
+    # (docs/benchmarks.md, async scheduling and the engine's OpenMP threads).
+    env.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+    return env
+
+
 def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
     try:
         cores = parse_core_list(args.cores) if args.cores else available_cores()
@@ -157,16 +173,7 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
         if args.model == EMBEDDING_MODEL_NAME
         else None
     )
-    env = dict(os.environ)
-    # vLLM's CPU device refuses to start without a KV budget; 2 GiB holds SmolLM2's full batch.
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
-    # OpenMP threads wait at the end of each parallel loop by spinning, 300000 turns by
-    # default (milliseconds). When another process holds a core (the API server, a client,
-    # a neighbour), a thread spinning for a preempted one burns the core that one needs:
-    # one stream's step went from 10 to 30-150 ms on a shared 2-core machine. A short spin
-    # keeps the quiet machine's speed (9.6-10.1 ms against 9.9-10.2) and bounds that waste.
-    env.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+    env = server_env()
     if args.data_parallel_size == 1:
         if proxy_config.api_keys.is_required:
             print(
