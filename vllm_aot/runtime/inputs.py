@@ -212,13 +212,18 @@ def _prefill_mask(q_seq: torch.Tensor, positions: torch.Tensor, key_seq, key_pos
 
 def decode_key(rows: Sequence[DecodeRow], config: RuntimeConfig) -> ProgramKey | None:
     """The decode program for these rows; None if no bucket fits them."""
-    longest = max(r.position for r in rows)
-    num_ctx_tokens = config.block_size * blocks_needed(longest, config.block_size)
     num_rows = fitting_bucket(config.decode_batch_buckets, len(rows))
-    num_ctx_tokens = fitting_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1))
+    num_ctx_tokens = _context_bucket(rows, config)
     if num_rows is None or num_ctx_tokens is None:
         return None
     return ProgramKey(ProgramKind.DECODE, num_rows, num_ctx_tokens)
+
+
+def _context_bucket(rows: Sequence[DecodeRow | VerifyRow], config: RuntimeConfig) -> int | None:
+    """The smallest decode context bucket holding every row's cached blocks; None if none."""
+    longest = max(r.position for r in rows)
+    num_ctx_tokens = config.block_size * blocks_needed(longest, config.block_size)
+    return fitting_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1))
 
 
 def prepare_decode(rows: Sequence[DecodeRow], config: RuntimeConfig) -> DecodeInputs:
@@ -346,10 +351,8 @@ def verify_key(rows: Sequence[VerifyRow], config: RuntimeConfig) -> ProgramKey |
     k = config.num_speculative_tokens
     if not k or any(len(r.token_ids) > k + 1 for r in rows):
         return None
-    longest = max(r.position for r in rows)
-    num_ctx_tokens = config.block_size * blocks_needed(longest, config.block_size)
     num_rows = fitting_bucket(config.verify_batch_buckets, len(rows))
-    num_ctx_tokens = fitting_bucket(config.decode_context_buckets, max(num_ctx_tokens, 1))
+    num_ctx_tokens = _context_bucket(rows, config)
     if num_rows is None or num_ctx_tokens is None:
         return None
     return ProgramKey(ProgramKind.VERIFY, num_rows, num_ctx_tokens, k)
