@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,32 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def for_rank(self, tensor_parallel_size: int) -> ModelArch:
+        """One of `tensor_parallel_size` ranks' share of every layer: its query and KV heads and
+        intermediate features (the hidden size and vocabulary stay whole: the embedding and head
+        split by `Shard.VOCAB` rows). Raises ValueError naming what does not split evenly."""
+        tp = tensor_parallel_size
+        if tp == 1:
+            return self
+        if self.is_encoder:
+            raise ValueError(f"{self.architecture}: encoders run on one rank (tensor parallel 1)")
+        for what, count in (
+            ("attention heads", self.num_heads),
+            ("KV heads", self.num_kv_heads),
+            ("intermediate size", self.intermediate_size),
+        ):
+            if count % tp:
+                raise ValueError(
+                    f"{self.architecture}: {what} ({count}) do not split evenly over "
+                    f"tensor-parallel size {tp}"
+                )
+        return replace(
+            self,
+            num_heads=self.num_heads // tp,
+            num_kv_heads=self.num_kv_heads // tp,
+            intermediate_size=self.intermediate_size // tp,
+        )
 
     def digest_fields(self) -> dict[str, Any]:
         """The fields that change a compiled program (for cache keys): everything but the HF name

@@ -18,7 +18,7 @@ import torch
 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import weight_format
-from vllm_aot.models.linear import Linear, LinearKernel
+from vllm_aot.models.linear import Linear, LinearKernel, Shard
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,27 @@ class LayerSpec:
         return dict(zip(self.tensor_names(), tensors, strict=True))
 
 
+def no_reduce(partial: torch.Tensor) -> torch.Tensor:
+    """One rank: a row-parallel linear's output is already the whole sum."""
+    return partial
+
+
 @dataclass(frozen=True)
 class LayerParams:
-    """One layer's tensors inside a program, read by the family's maths by parameter name."""
+    """One layer's tensors inside a program, read by the family's maths by parameter name.
+
+    `arch` is the rank's own (`ModelArch.for_rank`: its heads, KV heads and intermediate
+    features); `reduce` sums a partial result over the tensor-parallel ranks (identity on one
+    rank). A row-parallel linear's output is reduced inside `linear`, so a family's maths reads
+    the same on any number of ranks; maths producing other partial sums (experts split over
+    ranks) calls `reduce` itself.
+    """
 
     arch: ModelArch
     spec: LayerSpec
     kernels: Mapping[str, LinearKernel]  # weight format name -> its kernel on this CPU
     tensors: Mapping[str, torch.Tensor]  # `LayerSpec.tensor_names` -> tensor
+    reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce
 
     def norm(self, name: str) -> torch.Tensor:
         return self.tensors[f"{name}.weight"]
@@ -95,11 +108,13 @@ class LayerParams:
         return self.tensors[f"{name}.bias"]
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Linear `name` applied to x [..., in] -> [..., out], through its format's kernel."""
+        """Linear `name` applied to x [..., in] -> [..., out], through its format's kernel; a
+        row-parallel one's partial sums reduced over the ranks."""
         linear = self.spec.linear(name)
         stored = [self.tensors[f"{name}.{t}"] for t in weight_format(linear.format).tensor_names]
         bias = self.tensors[f"{name}.bias"] if linear.has_bias else None
-        return self.kernels[linear.format].apply(x, *stored, bias)
+        out = self.kernels[linear.format].apply(x, *stored, bias)
+        return self.reduce(out) if linear.shard is Shard.ROW else out
 
 
 # (q [tokens, heads, head_dim], k_new, v_new [tokens, kv_heads, head_dim]) -> [tokens, heads *
