@@ -43,6 +43,7 @@ _PROGRAM_FIELDS = (
     "num_sampling_candidates",
     "weight_formats",
     "kv_cache_dtype",
+    "tensor_parallel_size",
 )
 
 

@@ -65,9 +65,12 @@ def start(
     source: str | Path,
     config: RuntimeConfig | None = None,
     options: ProgramOptions | None = None,
+    *,
+    rank: int = 0,
 ) -> LoadedModel:
     """Load `source` under `config` (an exported directory's own when None), its programs as
-    `options` say.
+    `options` say, and tensor-parallel rank `rank`'s weights (of the config's
+    `tensor_parallel_size`; every rank loads the same programs).
 
     Raises ValueError naming the limit when the model cannot honour `config`,
     ArtifactMismatchError for an exported directory built elsewhere or for another
@@ -92,14 +95,14 @@ def start(
         if config.backend == "inductor":
             paths = artifact_program_paths(Path(source), config, report)
     programs = load_programs(arch, config, paths, report)
-    weights = load_weights_timed(weights_path, arch, config, report)
+    weights = load_weights_timed(weights_path, arch, config, report, rank)
     logger.info("vllm-aot: model ready: %s", report.summary())
     return LoadedModel(arch, config, weights, programs, report)
 
 
 def load_model(
-    source: str | Path, config: RuntimeConfig | None = None, **options
+    source: str | Path, config: RuntimeConfig | None = None, *, rank: int = 0, **options
 ) -> tuple[CompiledModel | EncoderModel, LoadReport]:
-    """`start` with `ProgramOptions(**options)`, built with the config's KV pool."""
-    loaded = start(source, config, ProgramOptions(**options))
+    """`start` of `rank` with `ProgramOptions(**options)`, built with the config's KV pool."""
+    loaded = start(source, config, ProgramOptions(**options), rank=rank)
     return loaded.build(), loaded.report

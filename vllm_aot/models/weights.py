@@ -52,6 +52,12 @@ class ModelWeights(NamedTuple):
     lm_head: StoredWeight  # [vocab, hidden]; the embedding itself when tied (same format)
     kv_scales: tuple[tuple[float, float], ...] = ()  # per layer (k, v): `kv_scales`; () = 1.0
     embed_extras: dict[str, torch.Tensor] = {}  # noqa: RUF012 -- `Family.embedding_extras`
+    rank: Rank = SINGLE_RANK  # the tensor-parallel rank whose slices these are
+
+    def vocab_range(self) -> tuple[int, int]:
+        """The token ids [first, end) whose embedding rows this rank holds (`Shard.VOCAB`)."""
+        per_rank = self.embed.tensors[0].shape[0]
+        return self.rank.index * per_rank, (self.rank.index + 1) * per_rank
 
     def num_bytes(self) -> int:
         tensors = [*self.embed.tensors, self.final_norm, *self.lm_head.tensors]
@@ -159,4 +165,5 @@ def load_weights(
         embed_extras={
             name: checkpoint.dense(name).to(dtype).contiguous() for name in family.embedding_extras
         },
+        rank=rank,
     )

@@ -68,6 +68,9 @@ class RuntimeConfig:
     # batch decodes without drafts).
     num_speculative_tokens: int = 0
     verify_batch_buckets: tuple[int, ...] = ()
+    # Ranks the model is split over (heads, KV heads, intermediate features, vocabulary): every
+    # rank runs the same programs on its own weights, collectives between (kernels/collectives).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -82,7 +85,8 @@ class RuntimeConfig:
         self._check_formats()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is unknown; supported: {list(BACKENDS)}")
-        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+        names = ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens")
+        for name in (*names, "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len % self.block_size:

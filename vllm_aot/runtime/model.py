@@ -26,6 +26,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from vllm_aot.kernels import collectives
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.layers import rms_norm, rotary_cos_sin
 from vllm_aot.models.weights import ModelWeights
@@ -92,7 +93,7 @@ class CompiledModel:
         self.weights = weights
         self.programs = dict(programs)
         self.kv = KVCache(
-            arch,
+            arch.for_rank(config.tensor_parallel_size),  # the rank's KV heads
             num_blocks=num_kv_blocks or config.total_kv_blocks,
             block_size=config.block_size,
             dtype=config.kv_torch_dtype,
@@ -118,8 +119,16 @@ class CompiledModel:
             self._tap = None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The embedding lookup layer programs start from: [n] -> [n, hidden], model dtype."""
-        return self.weights.embed.rows(token_ids, self.config.torch_dtype)
+        """The embedding lookup layer programs start from: [n] -> [n, hidden], model dtype. On
+        several ranks each looks up the ids in its vocabulary range (zeros for the rest) and
+        the ranks' rows are summed."""
+        dtype = self.config.torch_dtype
+        if self.weights.rank.size == 1:
+            return self.weights.embed.rows(token_ids, dtype)
+        first, end = self.weights.vocab_range()
+        mine = (token_ids >= first) & (token_ids < end)
+        rows = self.weights.embed.rows(torch.where(mine, token_ids - first, 0), dtype)
+        return collectives.all_reduce(rows * mine.unsqueeze(1).to(dtype))
 
     def _program(self, key: ProgramKey) -> Program:
         """The program for `key`, counted once per step; each call a named span when profiled."""

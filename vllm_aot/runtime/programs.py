@@ -25,6 +25,7 @@ from torch import nn
 
 from vllm_aot.kernels import (
     attention_impl,
+    collectives,
     cpu_features,
     decode_attention_fn,
     load_used,
@@ -32,7 +33,7 @@ from vllm_aot.kernels import (
     logprobs_impl,
 )
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.family import LayerParams, LayerSpec
+from vllm_aot.models.family import LayerParams, LayerSpec, no_reduce
 from vllm_aot.models.formats import dense_format, weight_format
 from vllm_aot.models.layers import (
     PagedKV,
@@ -119,9 +120,21 @@ def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
 
 
 def layer_spec(arch: ModelArch, config: RuntimeConfig) -> LayerSpec:
-    """The layer's parameters, each linear in the weight format the configuration gives it."""
+    """A rank's layer parameters (`ModelArch.for_rank`), each linear in the weight format the
+    configuration gives it."""
     dense = dense_format(config.torch_dtype).name
-    return family_of(arch).layer_spec(arch, dense).with_formats(config.linear_format)
+    local = arch.for_rank(config.tensor_parallel_size)
+    return family_of(arch).layer_spec(local, dense).with_formats(config.linear_format)
+
+
+def head_rows(arch: ModelArch, config: RuntimeConfig) -> int:
+    """The LM head rows a rank holds: its vocabulary range (`Shard.VOCAB`, the last padded)."""
+    return -(-arch.vocab_size // config.tensor_parallel_size)
+
+
+def _reduce(config: RuntimeConfig):
+    """What sums a rank's partial results: nothing on one rank, else the all-reduce op."""
+    return collectives.all_reduce if config.tensor_parallel_size > 1 else no_reduce
 
 
 def flatten_weights(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
@@ -142,7 +155,8 @@ class Layer(nn.Module):
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind) -> None:
         super().__init__()
-        self.arch = arch
+        self.arch = arch.for_rank(config.tensor_parallel_size)
+        self.reduce = _reduce(config)
         self.decoder_layer = family_of(arch).decoder_layer
         self.spec = layer_spec(arch, config)
         self.tensor_names = self.spec.tensor_names()
@@ -154,7 +168,7 @@ class Layer(nn.Module):
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights):
         tensors = dict(zip(self.tensor_names, weights, strict=True))
-        params = LayerParams(self.arch, self.spec, self.kernels, tensors)
+        params = LayerParams(self.arch, self.spec, self.kernels, tensors, self.reduce)
         cache = PagedKV(k_pool, v_pool, k_scale, v_scale)
 
         def attend(q, k, v):
@@ -202,7 +216,9 @@ def _ignore(name: str, tensor: torch.Tensor) -> None:
 
 class Head(nn.Module):
     """(hidden, final_norm, *lm_head, *SamplingTensors) -> the `SamplerOutput` fields, in order,
-    where `lm_head` is the head's stored tensors in its weight format.
+    where `lm_head` is the head's stored tensors in its weight format: on several ranks, the
+    rank's vocabulary rows; every rank's logits are gathered before the sampler, so each rank
+    samples the same tokens (the same seeds over the same logits).
 
     The raw float32 logits are among the outputs because the sampler computes them anyway; the
     caller reads them only for rows processed on the host and for validation.
@@ -211,6 +227,8 @@ class Head(nn.Module):
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
+        self.vocab_size = arch.vocab_size
+        self.world_size = config.tensor_parallel_size
         self.is_greedy = kind in GREEDY_KINDS
         self.is_verify = kind in (ProgramKind.VERIFY_GREEDY, ProgramKind.VERIFY_SAMPLE)
         self.num_logprobs = config.num_logprobs
@@ -225,6 +243,8 @@ class Head(nn.Module):
         num_fields = len(SamplingTensors._fields)
         t = SamplingTensors(*sampling[:num_fields])
         logits = self.linear(rms_norm(hidden, final_norm, self.eps), *lm_head, None)
+        if self.world_size > 1:  # each rank's vocabulary range, joined (the padding dropped)
+            logits = collectives.all_gather(logits, self.world_size)[:, : self.vocab_size]
         logits = logits.float()
         settings = dict(
             is_greedy=self.is_greedy,
@@ -264,7 +284,8 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
         n = key.size * key.num_positions  # tokens
         rows = key.size
         bs = config.block_size
-        pool = (2, bs, arch.num_kv_heads, arch.head_dim)  # dim 0 is dynamic: the pool's size
+        local = arch.for_rank(config.tensor_parallel_size)
+        pool = (2, bs, local.num_kv_heads, local.head_dim)  # dim 0 is dynamic: the pool's size
         weights = layer_spec(arch, config).example_tensors(dt)
         ctx_blocks = key.context_tokens // bs
         if key.kind is ProgramKind.PREFILL:
@@ -298,7 +319,7 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
     return (
         torch.zeros(rows * key.num_positions, arch.hidden_size, dtype=dt),
         torch.ones(arch.hidden_size, dtype=dt),
-        *lm_head.example(arch.vocab_size, arch.hidden_size),
+        *lm_head.example(head_rows(arch, config), arch.hidden_size),
         torch.ones(rows),
         torch.zeros(rows, dtype=i64),
         torch.ones(rows),
