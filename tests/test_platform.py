@@ -62,6 +62,19 @@ def test_expert_parallelism_is_refused(tiny_model_dir):
         _refuse_unsupported(config)
 
 
+def test_tensor_parallelism_runs_on_vllms_executor(tiny_model_dir):
+    """Several ranks: vLLM's multiprocessing executor (ours would be "uni"), our workers placing
+    themselves, the compiled shapes for the rank count; pipeline parallelism is refused."""
+    config = engine_config(tiny_model_dir, tensor_parallel_size=2)
+    assert config.parallel_config.distributed_executor_backend == "mp"
+    assert config.parallel_config.worker_cls == "vllm_aot.plugin.worker.AotWorker"
+    options = AotOptions.from_dict(config.additional_config[RESOLVED_KEY])
+    assert options.runtime.tensor_parallel_size == 2
+    assert engine_config(tiny_model_dir).parallel_config.distributed_executor_backend == "uni"
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(supported: --tensor-parallel"):
+        engine_config(tiny_model_dir, pipeline_parallel_size=2)
+
+
 def test_the_model_dtype_as_kv_cache_dtype_is_accepted(tiny_model_dir):
     config = engine_config(tiny_model_dir, dtype="bfloat16", kv_cache_dtype="bfloat16")
     assert config.cache_config.cache_dtype == "bfloat16"

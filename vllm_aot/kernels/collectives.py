@@ -52,8 +52,9 @@ def _communicator() -> Communicator:
 
 @torch.library.custom_op("vllm_aot_tp::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the tensor-parallel ranks."""
-    return _communicator().all_reduce(x.contiguous())
+    """The sum of `x` over the tensor-parallel ranks (in a tensor of its own: communicators may
+    reduce in place, and an op's output must not be its input)."""
+    return _communicator().all_reduce(x.clone(memory_format=torch.contiguous_format))
 
 
 @all_reduce.register_fake
@@ -88,9 +89,8 @@ class TorchDistributed:
         self.world_size = dist.get_world_size(group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.clone()
-        self._dist.all_reduce(out, group=self.group)
-        return out
+        self._dist.all_reduce(x, group=self.group)  # in place, as vLLM's may
+        return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]

@@ -126,6 +126,7 @@ def resolve_options(
     runner: str = "generate",
     convert: str | None = None,
     num_speculative_tokens: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
     `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one;
@@ -149,6 +150,12 @@ def resolve_options(
                 f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
             )
         _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
+        if runtime.tensor_parallel_size != tensor_parallel_size:
+            raise ValueError(
+                f"{model} is an exported directory compiled for tensor_parallel_size "
+                f"{runtime.tensor_parallel_size}; --tensor-parallel-size {tensor_parallel_size} "
+                "contradicts it"
+            )
         if extra:
             raise ValueError(
                 f"{model} is an exported directory whose shapes are fixed; "
@@ -167,6 +174,8 @@ def resolve_options(
         fields["quantization"] = quantization
     if num_speculative_tokens:
         fields["num_speculative_tokens"] = num_speculative_tokens
+    if tensor_parallel_size != 1:
+        fields["tensor_parallel_size"] = tensor_parallel_size
     if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
         fields["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:

@@ -41,8 +41,8 @@ def _refuse_unsupported(vllm_config) -> None:
     archs = list(getattr(model_config.hf_config, "architectures", None) or [])
     if not set(archs) & set(supported_architectures()):
         problems.append(f"architecture {archs} (supported: {', '.join(supported_architectures())})")
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        problems.append("tensor/pipeline parallelism (use vllm-aot serve --data-parallel-size)")
+    if parallel.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism (supported: --tensor-parallel-size)")
     if parallel.data_parallel_size > 1:
         problems.append("vLLM's data parallelism (use vllm-aot serve --data-parallel-size)")
     problems += speculative_problems(vllm_config.speculative_config)
@@ -225,6 +225,7 @@ class AotPlatform(CpuPlatform):
             runner=model_config.runner_type,
             convert=_convert(model_config),
             num_speculative_tokens=num_speculative_tokens(vllm_config),
+            tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         )
         runtime = options.runtime
         if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:
@@ -265,8 +266,14 @@ class AotPlatform(CpuPlatform):
             if is_async
             else SCHEDULER_CLS
         )
-        # One engine process holds the worker: no extra process hop per step.
-        vllm_config.parallel_config.distributed_executor_backend = "uni"
+        if vllm_config.parallel_config.world_size == 1:
+            # One engine process holds the worker: no extra process hop per step.
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
+        else:
+            # Several ranks run on vLLM's executor as given (multiprocessing by default, or
+            # Ray); each worker takes its share of the engine's cores (`plugin/parallel.py`),
+            # so vLLM's own binding (which reserves a core per rank for its scheduler) is off.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         extra[RESOLVED_KEY] = options.to_dict()
         vllm_config.additional_config = extra
         _log_shapes(runtime, options.artifact_dir, is_async=is_async)

@@ -162,7 +162,7 @@ class CachedRequest(RequestState):
             max_tokens=params.max_tokens,
             params=params,
             sampling=to_runtime_params(params, vocab_size),
-            seed=params.seed if params.seed is not None else draw_seed(),
+            seed=params.seed if params.seed is not None else draw_seed(req_id),
             block_table=list(block_ids),
             num_computed_tokens=num_computed_tokens,
             prompt_embeds=prompt_embeds,

@@ -1,6 +1,7 @@
 """AotWorker: the vLLM worker that owns our compiled model.
 
-Start-up, in the order vLLM calls it: `init_device` (threads), `load_model` (programs and weights
+Start-up, in the order vLLM calls it: `init_device` (vLLM's process groups when there are several
+ranks, this rank's cores and threads: parallel.py), `load_model` (programs and weights
 through the one start-up path, `loading.startup.start`), `get_kv_cache_spec` (our pools' geometry),
 `determine_available_memory` (the KV budget), `initialize_from_config` (pool of vLLM's block
 count), `compile_or_warm_up_model` (compile/load report). Then `execute_model`/`sample_tokens`
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Iterator
 
 import psutil
@@ -32,6 +32,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.parallel import join_ranks
 from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
@@ -57,10 +58,10 @@ def _log_progress(line: str) -> None:
 
 
 def kv_cache_spec(arch: ModelArch, runtime: RuntimeConfig) -> dict[str, FullAttentionSpec]:
-    """Every layer's pool geometry, by which vLLM sizes a block's page and so the number of
-    blocks a KV budget holds: an fp8 KV cache dtype halves a bfloat16 page (quarters a float32
-    one), so the same budget holds twice (four times) the blocks. An encoder has none (vLLM's
-    attention-free case: no KV cache groups, no blocks)."""
+    """Every layer's pool geometry (`arch`: the rank's share), by which vLLM sizes a block's page
+    and so the number of blocks a KV budget holds: an fp8 KV cache dtype halves a bfloat16 page
+    (quarters a float32 one), so the same budget holds twice (four times) the blocks. An
+    encoder has none (vLLM's attention-free case: no KV cache groups, no blocks)."""
     if arch.is_encoder:
         return {}
     spec = FullAttentionSpec(
@@ -76,7 +77,13 @@ class AotWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
-        torch.set_num_threads(self.options.num_threads or len(os.sched_getaffinity(0)))
+        self.place = join_ranks(
+            self.vllm_config,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            init_method=self.distributed_init_method,
+        )
+        torch.set_num_threads(self.options.num_threads or len(self.place.cores))
         self.runner: AotModelRunner | PoolingRunner | DecoderPoolingRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
@@ -112,6 +119,7 @@ class AotWorker(WorkerBase):
                 progress_to=_log_progress,
                 on_event=_log_program,
             ),
+            rank=self.place.tp_rank,
         )
         self.arch = self.loaded.arch
         if options.stats_file:
@@ -120,7 +128,12 @@ class AotWorker(WorkerBase):
             )
 
     def get_kv_cache_spec(self) -> dict:
-        return kv_cache_spec(self.arch, self.options.runtime)
+        return kv_cache_spec(self.local_arch, self.options.runtime)
+
+    @property
+    def local_arch(self) -> ModelArch:
+        """This rank's share of the model (its KV heads)."""
+        return self.arch.for_rank(self.options.runtime.tensor_parallel_size)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # ours: [layer][block][position][head][dim]
@@ -140,7 +153,7 @@ class AotWorker(WorkerBase):
         budget = max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
         runtime = self.options.runtime
         bytes_per_token = (
-            2 * self.arch.num_layers * self.arch.kv_size * runtime.kv_torch_dtype.itemsize
+            2 * self.arch.num_layers * self.local_arch.kv_size * runtime.kv_torch_dtype.itemsize
         )
         useful = 2 * runtime.max_num_seqs * runtime.max_model_len * bytes_per_token
         return min(budget, useful)

@@ -18,6 +18,7 @@ plain temperature sampling are exact over the whole vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -77,9 +78,13 @@ def all_greedy(params: Iterable[SamplingParams]) -> bool:
     return all(p.is_greedy for p in params)
 
 
-def draw_seed() -> int:
-    """A seed for a request that brought none, so every row samples from its own stream."""
-    return random.getrandbits(63)
+def draw_seed(name: str | None = None) -> int:
+    """A seed for a request that brought none, so every row samples from its own stream: drawn
+    at random, or derived from the request's unique `name` (every tensor-parallel rank then
+    draws the same seed for it, and samples the same tokens)."""
+    if name is None:
+        return random.getrandbits(63)
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
 
 
 class SamplingTensors(NamedTuple):

@@ -1,0 +1,102 @@
+"""`--tensor-parallel-size 2` through vLLM's own multiprocessing executor: a real server, one
+worker process per rank, the openai client; answers equal one rank's, and a rank that dies
+takes the server down cleanly, named."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import psutil
+import pytest
+import torch
+
+from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
+from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
+from vllm_aot.runtime.generate import GenerationRequest, Generator
+from vllm_aot.runtime.inputs import PrefillChunk
+from vllm_aot.testing import free_port, running_server, vllm_server_command
+
+PROMPTS = [[(97 * i + 13 * n) % 40000 + 100 for i in range(n)] for n in (5, 40, 90, 17, 3)]
+MAX_TOKENS = 10
+EXIT_TIMEOUT_S = 60
+
+
+def tp_command(model_dir, port: int, tp: int) -> list[str]:
+    args = [*SHAPE_ARGS, "--served-model-name", "tiny", "--tensor-parallel-size", str(tp)]
+    return vllm_server_command(model_dir, port, args=args, additional_config={"backend": "eager"})
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_model_dirs, tmp_path_factory):
+    """(URL, server process, log path) of a TP=2 server on the tiny Llama (4 heads, 2 KV)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("tp") / "server.log"
+    command = tp_command(tiny_model_dirs("llama"), port, 2)
+    with running_server(command, port=port, env=SERVER_ENV, log_path=log, timeout=300) as url:
+        server = next(p for p in psutil.process_iter(["cmdline"]) if str(port) in p.cmdline())
+        yield url, server, log
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_two_ranks_answer_what_one_rank_computes(tp_server, tiny_model_dirs):
+    url, _, log = tp_server
+    model, _ = load_model(tiny_model_dirs("llama"), tiny_config(), show_progress=False)
+    requests = [GenerationRequest(p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
+    expected = [r.token_ids for r in Generator(model).generate(requests)]
+    client = _client(url)
+    for prompt, tokens in zip(PROMPTS, expected, strict=True):
+        out = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert out.choices[0].token_ids == tokens
+    lines = log.read_text(errors="replace")
+    assert "tensor-parallel rank 0 of 2" in lines and "tensor-parallel rank 1 of 2" in lines
+
+
+def test_sampled_requests_agree_across_ranks(tp_server, tiny_model_dirs):
+    """Every rank samples the same token, seeded or not: a rank that drew another would feed
+    its shard of the next step a different token, and the logprobs the server reports would
+    stop matching one rank's teacher-forced logits over the same text."""
+    client = _client(tp_server[0])
+    model, _ = load_model(tiny_model_dirs("llama"), tiny_config(), show_progress=False)
+    prompt = PROMPTS[1]
+    for seed in (11, None):
+        out = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.9,
+            seed=seed,
+            logprobs=1,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        tokens = out.choices[0].token_ids
+        logits = model.prefill_logits(PrefillChunk([*prompt, *tokens], 0, [1, 2, 3, 4]))
+        positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+        expected = logits.log_softmax(-1)[positions, torch.tensor(tokens)]
+        got = torch.tensor(out.choices[0].logprobs.token_logprobs)
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_a_rank_that_dies_takes_the_server_down_naming_it(tp_server):
+    """Last in this module: it ends the server."""
+    url, server, log = tp_server
+    workers = [p for p in server.children(recursive=True) if "Worker_TP1" in " ".join(p.cmdline())]
+    assert len(workers) == 1, [p.cmdline() for p in server.children(recursive=True)]
+    everyone = [server, *server.children(recursive=True)]
+    workers[0].kill()
+    _, alive = psutil.wait_procs(everyone, timeout=EXIT_TIMEOUT_S)
+    assert not alive, f"still running {EXIT_TIMEOUT_S} s after rank 1 died: {alive}"
+    assert "VllmWorker-1 died unexpectedly" in log.read_text(errors="replace")
+    with pytest.raises(OSError):  # nothing listens any more
+        urllib.request.urlopen(url + "/health", timeout=5)

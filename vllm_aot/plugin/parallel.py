@@ -1,0 +1,95 @@
+"""Tensor parallelism through vLLM's own machinery: its executors start one `AotWorker` per rank
+(the multiprocessing executor on one machine or across machines with `--nnodes`, or Ray), each
+worker joins vLLM's process groups here, and our programs' collectives
+(`kernels/collectives.py`) go through vLLM's tensor-parallel group: its CPU communicator, shared
+memory between the ranks of one machine, gloo across machines.
+
+Each rank takes its own share of the cores it was given (the engine's affinity, split evenly
+among the ranks on this machine by local rank), so the ranks' OpenMP teams never contend for a
+core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from vllm_aot.kernels import collectives
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a worker stands: its tensor-parallel rank and the cores it computes on."""
+
+    tp_rank: int
+    tp_size: int
+    cores: tuple[int, ...]
+
+
+class VllmTensorParallel:
+    """Our collectives' `Communicator` over vLLM's tensor-parallel group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(x, dim=-1)
+
+
+def rank_cores(cores: list[int], local_rank: int, local_world_size: int) -> tuple[int, ...]:
+    """`local_rank`'s equal share of `cores` (sorted); a rank shares all of them when there are
+    fewer cores than ranks (pure)."""
+    cores = sorted(cores)
+    share = len(cores) // local_world_size
+    if share == 0:
+        return tuple(cores)
+    return tuple(cores[local_rank * share : (local_rank + 1) * share])
+
+
+def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | None) -> RankPlace:
+    """Join vLLM's process groups when there is more than one rank (gloo, as vLLM's CPU platform
+    does), install its tensor-parallel group as our programs' communicator, and pin this
+    process to its cores."""
+    parallel = vllm_config.parallel_config
+    cores = sorted(os.sched_getaffinity(0))
+    if parallel.world_size == 1:
+        return RankPlace(0, 1, tuple(cores))
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        get_tensor_model_parallel_rank,
+        get_tp_group,
+        init_distributed_environment,
+    )
+
+    init_method = init_method or "env://"
+    # What names the ranks' shared-memory group in vLLM's CPU communicator (its CPU worker
+    # sets it the same way): the same on every rank of this engine, another engine's differs.
+    os.environ["VLLM_DIST_IDENT"] = (
+        os.path.basename(init_method.removeprefix("file://"))
+        if init_method.startswith("file://")
+        else init_method.split(":")[-1]
+    )
+    init_distributed_environment(parallel.world_size, rank, init_method, local_rank, "gloo")
+    ensure_model_parallel_initialized(
+        parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    )
+    collectives.install(VllmTensorParallel(get_tp_group()))
+    mine = rank_cores(cores, local_rank, parallel.local_world_size)
+    os.sched_setaffinity(0, mine)
+    place = RankPlace(get_tensor_model_parallel_rank(), parallel.tensor_parallel_size, mine)
+    logger.info(
+        "vllm-aot: rank %d (tensor-parallel rank %d of %d) on cores %s",
+        rank,
+        place.tp_rank,
+        place.tp_size,
+        ",".join(map(str, mine)),
+    )
+    return place
