@@ -41,6 +41,11 @@ def install(communicator: Communicator | None) -> None:
     _installed[:] = [communicator] if communicator is not None else []
 
 
+def is_installed() -> bool:
+    """Whether this process is one of several ranks (a communicator is installed)."""
+    return bool(_installed)
+
+
 def _communicator() -> Communicator:
     if not _installed:
         raise RuntimeError(

@@ -11,7 +11,10 @@ Three kinds of error (docs/shared style, habit 8):
   or any other `Exception` raised while the runner worked for one request only (a new request's
   admission, a step of one request, one row's host-side logits processing), ends that request
   alone. Anything else propagates: vLLM's engine core logs it and shuts down, its front end
-  answers 500 and exits, and `vllm-aot serve` restarts the replica.
+  answers 500 and exits, and `vllm-aot serve` restarts the replica. On several
+  tensor-parallel ranks only a `RequestError` (which every rank finds alike) ends one request:
+  any other failure may have struck one rank alone, whose collectives would then no longer
+  meet the others' (a lost rank is one): fatal.
 
 A request that failed is forgotten by the runner at once and reported in its output
 (`AotRunnerOutput.failed_requests`); `AotScheduler.update_from_output` finishes it with vLLM's
@@ -25,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vllm.v1.outputs import ModelRunnerOutput
+
+from vllm_aot.kernels import collectives
 
 
 class RequestError(ValueError):
@@ -43,6 +48,8 @@ def is_per_request(exc: BaseException, num_requests: int) -> bool:
         return True
     if isinstance(exc, (AssertionError, MemoryError)) or not isinstance(exc, Exception):
         return False
+    if collectives.is_installed():  # one of several ranks: see the module docstring
+        return False
     return num_requests == 1
 
 
@@ -55,7 +62,8 @@ def describe(exc: BaseException) -> str:
 class AotRunnerOutput(ModelRunnerOutput):
     """vLLM's runner output plus the requests that failed in this step (they get no tokens).
 
-    The executor is in-process (`uni`), so the scheduler receives this object as it is.
+    The scheduler receives this object as it is: in process (`uni`), or pickled by vLLM's
+    multiprocessing executor (several ranks).
     """
 
     failed_requests: dict[str, str] = field(default_factory=dict)  # req_id -> reason

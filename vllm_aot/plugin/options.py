@@ -110,6 +110,31 @@ def _check_speculative(asked: int, given: int | None, artifact: str | None = Non
     )
 
 
+def _artifact_runtime(
+    model: str, kv: str | None, num_speculative_tokens: int, tensor_parallel_size: int, extra
+) -> RuntimeConfig:
+    """An exported directory's configuration; ValueError for a flag contradicting it."""
+    runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
+    if kv is not None and kv_cache_dtype_name(kv) != runtime.kv_cache_dtype:
+        raise ValueError(
+            f"{model} is an exported directory compiled for kv_cache_dtype "
+            f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
+        )
+    _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
+    if runtime.tensor_parallel_size != tensor_parallel_size:
+        raise ValueError(
+            f"{model} is an exported directory compiled for tensor_parallel_size "
+            f"{runtime.tensor_parallel_size}; --tensor-parallel-size {tensor_parallel_size} "
+            "contradicts it"
+        )
+    if extra:
+        raise ValueError(
+            f"{model} is an exported directory whose shapes are fixed; "
+            f"remove {', '.join(extra)} from --additional-config"
+        )
+    return runtime
+
+
 def resolve_options(
     *,
     model: str,
@@ -143,24 +168,9 @@ def resolve_options(
     _check_speculative(num_speculative_tokens, extra.get("num_speculative_tokens"))
     kv = None if kv_cache_dtype in ("auto", str(dtype).removeprefix("torch.")) else kv_cache_dtype
     if is_artifact_dir(model):
-        runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
-        if kv is not None and kv_cache_dtype_name(kv) != runtime.kv_cache_dtype:
-            raise ValueError(
-                f"{model} is an exported directory compiled for kv_cache_dtype "
-                f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
-            )
-        _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
-        if runtime.tensor_parallel_size != tensor_parallel_size:
-            raise ValueError(
-                f"{model} is an exported directory compiled for tensor_parallel_size "
-                f"{runtime.tensor_parallel_size}; --tensor-parallel-size {tensor_parallel_size} "
-                "contradicts it"
-            )
-        if extra:
-            raise ValueError(
-                f"{model} is an exported directory whose shapes are fixed; "
-                f"remove {', '.join(sorted(extra))} from --additional-config"
-            )
+        runtime = _artifact_runtime(
+            model, kv, num_speculative_tokens, tensor_parallel_size, sorted(extra)
+        )
         return AotOptions(runtime=runtime, artifact_dir=Path(model), **options)
     fields: dict[str, Any] = {
         "max_model_len": max_model_len
