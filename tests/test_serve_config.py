@@ -124,15 +124,24 @@ def test_passthrough_flags_are_kept_and_contradictions_refused():
             passthrough=("--additional-config", '{"backend": "inductor"}'),
             additional_config={"backend": "eager"},
         )
-    with pytest.raises(ValueError, match="supported: 1"):
-        choose_config(ShapeFlags(tensor_parallel_size=2))
+
+
+def test_tensor_parallelism_is_vllms_flag_and_an_exported_directorys_own():
+    chosen = choose_config(ShapeFlags(tensor_parallel_size=2))
+    assert chosen.vllm_args[-2:] == ("--tensor-parallel-size", "2")
+    assert any(r.startswith("tensor_parallel_size = 2") for r in chosen.reasons)
+    manifest = {"config": {"max_num_seqs": 4, "tensor_parallel_size": 3}}
+    chosen = choose_config(ShapeFlags(), manifest=manifest)
+    assert chosen.vllm_args[:2] == ("--tensor-parallel-size", "3")
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 \(it was compiled for 3\)"):
+        choose_config(ShapeFlags(tensor_parallel_size=2), manifest=manifest)
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--data-parallel-size", "3", "--cores", "0-1"], "need at least 3 cores; only 2 given"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+        (["--tensor-parallel-size", "3", "--cores", "0-1"], "tensor parallel 3 need at least 3"),
         (["--batch-size", "8", "--max-num-seqs", "4"], "contradicts --max-num-seqs 4"),
         (["--cores", "1-0"], "bad core list"),
     ],

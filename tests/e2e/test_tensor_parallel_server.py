@@ -1,9 +1,10 @@
-"""`--tensor-parallel-size 2` through vLLM's own multiprocessing executor: a real server, one
-worker process per rank, the openai client; answers equal one rank's, and a rank that dies
-takes the server down cleanly, named."""
+"""`vllm-aot serve --tensor-parallel-size 2`, on vLLM's own multiprocessing executor: a real
+server, one worker process per rank, the openai client; answers equal one rank's, and a rank
+that dies takes the server down cleanly, named."""
 
 from __future__ import annotations
 
+import sys
 import urllib.request
 
 import psutil
@@ -15,7 +16,7 @@ from tests.helpers import tiny_config
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.inputs import PrefillChunk
-from vllm_aot.testing import free_port, running_server, vllm_server_command
+from vllm_aot.testing import free_port, running_server
 
 PROMPTS = [[(97 * i + 13 * n) % 40000 + 100 for i in range(n)] for n in (5, 40, 90, 17, 3)]
 MAX_TOKENS = 10
@@ -23,8 +24,10 @@ EXIT_TIMEOUT_S = 60
 
 
 def tp_command(model_dir, port: int, tp: int) -> list[str]:
-    args = [*SHAPE_ARGS, "--served-model-name", "tiny", "--tensor-parallel-size", str(tp)]
-    return vllm_server_command(model_dir, port, args=args, additional_config={"backend": "eager"})
+    """`vllm-aot serve` with `tp` ranks (one replica: it becomes vLLM's server)."""
+    return [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model_dir), "--backend",
+            "eager", "--port", str(port), "--tensor-parallel-size", str(tp), *SHAPE_ARGS,
+            "--served-model-name", "tiny"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

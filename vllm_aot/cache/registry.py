@@ -75,6 +75,7 @@ class CompiledConfiguration:
             runtime=config.shape_fields(),
             target=cpu_target(),
             programs=dict(sorted(programs.items())),
+            tensor_parallel_size=config.tensor_parallel_size,
             created=time.time(),
             source=generator_source_digest(),
             **versions(),

@@ -105,7 +105,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "unless --dtype is given)",
     )
     g.add_argument("--kv-cache-dtype", default=None, choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES])
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks each replica's model is split over (vLLM's executor runs one worker each)",
+    )
     g = parser.add_argument_group("data parallelism")
     g.add_argument("--data-parallel-size", type=int, default=1, help="replicas behind a proxy")
     g.add_argument("--cores", default=None, help="cores to split among replicas, e.g. 0-3,8-11")

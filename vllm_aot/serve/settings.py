@@ -58,7 +58,7 @@ class RegistryPick:
     @property
     def extra_fields(self) -> dict[str, Any]:
         """What `--additional-config` must carry besides the three shape flags."""
-        flagged = {key for _, key in _SHAPE_FLAGS.values()}
+        flagged = {key for _, key in _SHAPE_FLAGS.values()} | {"tensor_parallel_size"}
         return {k: v for k, v in self.runtime.items() if k not in flagged}
 
 
@@ -174,11 +174,6 @@ def choose_config(
 
     `manifest` is the exported directory's manifest when the model is one (`read_manifest`).
     """
-    if flags.tensor_parallel_size != 1:
-        raise ValueError(
-            f"--tensor-parallel-size {flags.tensor_parallel_size}: vllm-aot runs one model copy "
-            "per process (supported: 1); use --data-parallel-size N for more throughput"
-        )
     config, passthrough = _merge_additional_config(dict(additional_config or {}), passthrough)
     given = {
         name: (getattr(flags, name), flag_value(passthrough, vllm_flag))
@@ -191,7 +186,7 @@ def choose_config(
                 f"--{name.replace('_', '-')} {ours} contradicts {vllm_flag} {theirs}; give one"
             )
     if manifest is not None:
-        return _from_manifest(manifest, artifact_dir, given, passthrough, config)
+        return _from_manifest(manifest, artifact_dir, given, flags, passthrough, config)
     shape_args: list[str] = []
     reasons: list[str] = []
     if registry_choice is not None:
@@ -211,14 +206,29 @@ def choose_config(
             reasons.append(f"{name} = {picked} (compiled configuration in the cache registry)")
         else:
             reasons.append(f"{name} = {_DEFAULTS[name]}")
-    reasons += ["tensor_parallel_size = 1", _speculative_reason(passthrough)]
+    shape_args += _tp_args(flags.tensor_parallel_size)
+    reasons += [_tp_reason(flags.tensor_parallel_size), _speculative_reason(passthrough)]
     return ChosenConfig(tuple(shape_args) + passthrough, config, tuple(reasons))
+
+
+def _tp_args(tensor_parallel_size: int) -> list[str]:
+    return ["--tensor-parallel-size", str(tensor_parallel_size)] if tensor_parallel_size > 1 else []
+
+
+def _tp_reason(tensor_parallel_size: int) -> str:
+    if tensor_parallel_size == 1:
+        return "tensor_parallel_size = 1"
+    return (
+        f"tensor_parallel_size = {tensor_parallel_size} (vLLM's executor runs a worker per "
+        "rank, each on its share of the replica's cores)"
+    )
 
 
 def _from_manifest(
     manifest: dict[str, Any],
     artifact_dir: str | None,
     given: dict[str, tuple[Any, str | None]],
+    flags: ShapeFlags,
     passthrough: tuple[str, ...],
     config: dict[str, Any],
 ) -> ChosenConfig:
@@ -237,6 +247,11 @@ def _from_manifest(
         text = flag_value(passthrough, vllm_flag)
         if text is not None and not _same(text, shapes[key]):
             conflicts.append(f"{vllm_flag} {text} (it was compiled for {shapes[key]})")
+    tp = shapes.get("tensor_parallel_size", 1)
+    if flags.tensor_parallel_size not in (1, tp):
+        conflicts.append(
+            f"--tensor-parallel-size {flags.tensor_parallel_size} (it was compiled for {tp})"
+        )
     if conflicts:
         raise ValueError(
             f"the {where} fixes its shapes; these flags contradict it: {'; '.join(conflicts)}. "
@@ -245,4 +260,4 @@ def _from_manifest(
     reasons = [
         f"{name} = {shapes.get(key)} (from the {where})" for name, (_, key) in _SHAPE_FLAGS.items()
     ]
-    return ChosenConfig(passthrough, config, (*reasons, "tensor_parallel_size = 1"))
+    return ChosenConfig((*_tp_args(tp), *passthrough), config, (*reasons, _tp_reason(tp)))
