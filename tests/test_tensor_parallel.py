@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
-from tests.tp_ranks import run_ranks
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.inputs import PrefillChunk
+from vllm_aot.runtime.ranks import run_ranks
 from vllm_aot.runtime.sampler import SamplingParams
 
 PROMPTS = [[(97 * i + 13 * n) % 40000 + 100 for i in range(n)] for n in (5, 40, 90, 17)]

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from vllm_aot.cli.args import add_config_args, load_from_args
+from vllm_aot.cli.args import add_config_args, load_from_args, run_on_ranks
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.programs import ProgramKey
 
@@ -222,7 +222,13 @@ def run_kv(
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Teacher-forced logits and greedy output against HF transformers; exit 1 on failure."""
+    """Teacher-forced logits and greedy output against HF transformers; exit 1 on failure. On
+    several tensor-parallel ranks each computes the full logits (its head's are gathered), and
+    rank 0 reports."""
+    return run_on_ranks(_validate, args)
+
+
+def _validate(args: argparse.Namespace) -> int:
     model_dir, model, report = load_from_args(args)
     print(f"model ready: {report.summary()}", flush=True)
     return run_validate(
@@ -239,6 +245,10 @@ def cmd_tensors(args: argparse.Namespace) -> int:
     """Tensor capture/compare and KV cache analysis against HF; exit 1 on a divergence."""
     if args.action == "compare":
         return run_compare(args.ours, args.reference, tolerance=args.rtol)
+    return run_on_ranks(_tensors, args)
+
+
+def _tensors(args: argparse.Namespace) -> int:
     model_dir, model, report = load_from_args(args)
     print(f"model ready: {report.summary()}", flush=True)
     common = dict(

@@ -4,6 +4,7 @@ configuration; and the one way a command loads a model from them."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
@@ -66,6 +67,12 @@ def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor
     g.add_argument("--prefill-token-buckets", type=int_list, default=())
     g.add_argument("--prefill-context-buckets", type=int_list, default=(), help="tokens")
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is split over (here: one process each on this machine)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -86,6 +93,7 @@ def config_from_args(args: argparse.Namespace):
             num_kv_blocks=args.num_kv_blocks,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
@@ -165,4 +173,21 @@ def load_from_args(args: argparse.Namespace):
 
     model_dir = resolve_model(args.model)
     config = None if is_artifact_dir(model_dir) else config_from_args(args)
-    return model_dir, *load_model(model_dir, config)
+    return model_dir, *load_model(model_dir, config, rank=getattr(args, "rank", 0))
+
+
+def run_on_ranks(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`command(args)` (a module-level function that loads the model with `load_from_args`) on
+    `--tensor-parallel-size` ranks of this machine (`runtime/ranks.py`): every rank runs it
+    whole, in step; rank 0's output and exit code are the command's."""
+    size = getattr(args, "tensor_parallel_size", 1)
+    if size == 1:
+        return command(args)
+    from vllm_aot.runtime.ranks import run_ranks
+
+    return run_ranks(_on_rank, size, command, args, quiet=True)[0]
+
+
+def _on_rank(rank: int, command, args: argparse.Namespace) -> int:
+    args.rank = rank
+    return command(args)

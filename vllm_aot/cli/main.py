@@ -18,6 +18,7 @@ from vllm_aot.cli.args import (
     config_from_args,
     load_from_args,
     resolve_model,
+    run_on_ranks,
 )
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
@@ -95,7 +96,12 @@ DEMO_PROMPTS = (
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Chat answers through the runtime's generate loop, without a server."""
+    """Chat answers through the runtime's generate loop, without a server (on
+    `--tensor-parallel-size` ranks of this machine when asked)."""
+    return run_on_ranks(_demo, args)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from vllm_aot.runtime.generate import GenerationRequest, Generator
