@@ -20,14 +20,13 @@ EXIT_TIMEOUT_S = 90
 
 
 def node_command(model_dir, *, node_rank: int, master_port: int, port: int) -> list[str]:
-    """vLLM's `vllm serve` (through `vllm_aot.plugin.vllm_serve`) for one of two nodes."""
-    command = [sys.executable, "-m", "vllm_aot.plugin.vllm_serve", str(model_dir), *SHAPE_ARGS]
-    command += ["--additional-config", '{"backend": "eager"}', "--served-model-name", "tiny"]
+    """`vllm-aot serve` for one of two nodes, as docs/parallelism.md tells users to run it."""
+    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model_dir)]
+    command += ["--backend", "eager", "--port", str(port), *SHAPE_ARGS]
+    command += ["--served-model-name", "tiny"]
     command += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node_rank)]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    if node_rank == 0:
-        return [*command, "--host", "127.0.0.1", "--port", str(port)]
-    return [*command, "--headless"]
+    return command if node_rank == 0 else [*command, "--headless"]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def make_tiny_model(
     config_cls = getattr(transformers, spec.pop("cls"))
     tokenizer_dir = Path(tokenizer_dir)
     vocab_size = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
-    config = config_cls(
+    fields = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -54,8 +54,8 @@ def make_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
-        **spec,
     )
+    config = config_cls(**{**fields, **spec})  # the spec's fields win
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
