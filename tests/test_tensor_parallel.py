@@ -89,3 +89,21 @@ def test_compiled_programs_call_the_collectives(tiny_model_dirs):
     one = _single(model_dir, {**fields, "backend": "eager"})
     ranks = run_ranks(_run, 2, model_dir, {**fields, "tensor_parallel_size": 2})
     assert [r["greedy"] for r in ranks] == [one["greedy"]] * 2
+
+
+def test_programs_and_the_registry_are_keyed_by_the_rank_count(tiny_model_dir):
+    """One set of programs serves every rank of a size; another size is another set."""
+    from vllm_aot.cache.keys import program_cache_key
+    from vllm_aot.cache.registry import CompiledConfiguration, describe_rows
+    from vllm_aot.models.registry import load_arch
+    from vllm_aot.runtime.programs import all_program_keys
+
+    arch = load_arch(tiny_model_dir)
+    one, two = tiny_config(), tiny_config(tensor_parallel_size=2)
+    keys = all_program_keys(two)
+    assert keys == all_program_keys(one)
+    for key in keys:
+        assert program_cache_key(arch, one, key) != program_cache_key(arch, two, key)
+    record = CompiledConfiguration.build(arch, two, {})
+    header, row = describe_rows([record])
+    assert record.tensor_parallel_size == 2 and row[header.index("TP")] == "2"
