@@ -10,6 +10,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.parallel import machine_id, rank_cores, shm_ident
 from vllm_aot.plugin.platform import AotPlatform, _refuse_unsupported
 
 
@@ -239,3 +240,20 @@ def test_the_engines_threads_are_an_option(tiny_model_dir):
     assert AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).num_threads == 1
     with pytest.raises(ValueError, match="num_threads must be at least 1, got 0"):
         engine_config(tiny_model_dir, additional_config={"num_threads": 0})
+
+
+def test_ranks_share_memory_only_on_one_machine():
+    """The shared-memory group's name: one per engine and machine, so a group spanning machines
+    goes through gloo; the same rendezvous naming as vLLM's CPU worker."""
+    here, there = "aaaa", "bbbb"
+    assert shm_ident("tcp://10.0.0.1:29500", here) == shm_ident("tcp://10.0.0.1:29500", here)
+    assert shm_ident("tcp://10.0.0.1:29500", here) != shm_ident("tcp://10.0.0.1:29500", there)
+    assert shm_ident("tcp://10.0.0.1:29500", here) != shm_ident("tcp://10.0.0.1:29501", here)
+    assert shm_ident("file:///tmp/rdv/abc", here) == f"abc-{here}"
+    assert machine_id() == machine_id() and len(machine_id()) == 12
+
+
+def test_a_machines_cores_are_split_among_its_ranks():
+    assert rank_cores([3, 0, 1, 2], 1, 2) == (2, 3)
+    assert rank_cores([0, 1], 0, 1) == (0, 1)
+    assert rank_cores([0], 1, 2) == (0,)  # fewer cores than ranks: shared
