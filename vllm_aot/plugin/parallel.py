@@ -4,9 +4,9 @@ worker joins vLLM's process groups here, and our programs' collectives
 (`kernels/collectives.py`) go through vLLM's tensor-parallel group: its CPU communicator, shared
 memory when all the group's ranks are on one machine, gloo when they are not (`shm_ident`).
 
-Each rank takes its own share of the cores it was given (the engine's affinity, split evenly
-among the ranks on this machine by local rank), so the ranks' OpenMP teams never contend for a
-core.
+Each rank takes its own share of the cores it was given (the engine's affinity, or on Ray its
+node's: what that node's `ray start` was given), split evenly among the ranks there by local
+rank, so the ranks' OpenMP teams never contend for a core.
 """
 
 from __future__ import annotations
@@ -78,6 +78,16 @@ def machine_id() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _ranks_on_this_machine(parallel) -> int:
+    """How many ranks share this process's cores: those Ray placed on this node, or vLLM's
+    local world size (the world size over `--nnodes`)."""
+    if parallel.use_ray:
+        from vllm_aot.plugin.ray_ranks import ranks_on_this_node
+
+        return ranks_on_this_node()
+    return parallel.local_world_size
+
+
 def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | None) -> RankPlace:
     """Join vLLM's process groups when there is more than one rank (gloo, as vLLM's CPU platform
     does), install its tensor-parallel group as our programs' communicator, and pin this
@@ -100,7 +110,7 @@ def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | No
         parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     )
     collectives.install(VllmTensorParallel(get_tp_group()))
-    mine = rank_cores(cores, local_rank, parallel.local_world_size)
+    mine = rank_cores(cores, local_rank, _ranks_on_this_machine(parallel))
     os.sched_setaffinity(0, mine)
     place = RankPlace(get_tensor_model_parallel_rank(), parallel.tensor_parallel_size, mine)
     logger.info(
