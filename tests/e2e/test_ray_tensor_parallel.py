@@ -18,7 +18,7 @@ from tests.e2e.test_tensor_parallel_server import one_rank_tokens, served_tokens
 from vllm_aot.testing import free_port, running_server
 
 pytest.importorskip("ray", reason="ray is not installed (pip install ray, or the dev extra)")
-pytestmark = pytest.mark.slow  # two Ray nodes and a server: 50-80 s on two cores
+pytestmark = pytest.mark.slow  # two Ray nodes and a server: 45-70 s on two cores
 
 EXIT_TIMEOUT_S = 60
 RANK_LINE = r"RayWorkerProc pid={pid}\).*vllm-aot: rank (\d) \(tensor-parallel rank"
