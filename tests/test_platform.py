@@ -10,7 +10,9 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.parallel import machine_id, rank_cores, shm_ident
 from vllm_aot.plugin.platform import AotPlatform, _refuse_unsupported
+from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, SETUP_HOOK, with_setup_hook
 
 
 def engine_config(model_dir, **flags):
@@ -239,3 +241,49 @@ def test_the_engines_threads_are_an_option(tiny_model_dir):
     assert AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).num_threads == 1
     with pytest.raises(ValueError, match="num_threads must be at least 1, got 0"):
         engine_config(tiny_model_dir, additional_config={"num_threads": 0})
+
+
+def test_ray_places_one_rank_per_unit_of_our_resource(tiny_model_dir):
+    """vLLM's Ray executor asks a bundle of `ray_device_key` per rank: ours, a custom resource
+    each node declares; every Ray worker of the engine's job runs our setup hook."""
+    pytest.importorskip("ray")
+    config = engine_config(
+        tiny_model_dir, tensor_parallel_size=2, distributed_executor_backend="ray"
+    )
+    assert AotPlatform.ray_device_key == RAY_RESOURCE == "vllm_aot_rank"
+    assert config.parallel_config.ray_runtime_env["worker_process_setup_hook"] == SETUP_HOOK
+    assert config.parallel_config.worker_cls == "vllm_aot.plugin.worker.AotWorker"
+
+
+def test_vllms_legacy_ray_executor_is_refused(tiny_model_dir, monkeypatch):
+    """Its compiled graph calls vLLM's own model runner, which our worker does not have."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    with pytest.raises(ValueError, match="VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0, vLLM's legacy"):
+        engine_config(tiny_model_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_a_ray_runtime_env_keeps_its_settings_but_not_a_setup_hook_of_its_own():
+    pytest.importorskip("ray")
+    env = with_setup_hook({"env_vars": {"A": "1"}})
+    assert env["env_vars"] == {"A": "1"} and env["worker_process_setup_hook"] == SETUP_HOOK
+    assert with_setup_hook(env)["worker_process_setup_hook"] == SETUP_HOOK
+    with pytest.raises(ValueError, match="its own worker_process_setup_hook"):
+        with_setup_hook({"worker_process_setup_hook": "theirs.hook"})
+
+
+def test_ranks_share_memory_only_on_one_machine():
+    """The shared-memory group's name: one per engine and machine, so a group spanning machines
+    goes through gloo; the same rendezvous naming as vLLM's CPU worker."""
+    here, there = "aaaa", "bbbb"
+    assert shm_ident("tcp://10.0.0.1:29500", here) == shm_ident("tcp://10.0.0.1:29500", here)
+    assert shm_ident("tcp://10.0.0.1:29500", here) != shm_ident("tcp://10.0.0.1:29500", there)
+    assert shm_ident("tcp://10.0.0.1:29500", here) != shm_ident("tcp://10.0.0.1:29501", here)
+    assert shm_ident("file:///tmp/rdv/abc", here) == f"abc-{here}"
+    assert machine_id() == machine_id() and len(machine_id()) == 12
+
+
+def test_a_machines_cores_are_split_among_its_ranks():
+    assert rank_cores([3, 0, 1, 2], 1, 2) == (2, 3)
+    assert rank_cores([0, 1], 0, 1) == (0, 1)
+    assert rank_cores([0], 1, 2) == (0,)  # fewer cores than ranks: shared

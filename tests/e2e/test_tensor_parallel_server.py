@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import urllib.request
+from collections.abc import Sequence
 
 import psutil
 import pytest
@@ -23,11 +24,35 @@ MAX_TOKENS = 10
 EXIT_TIMEOUT_S = 60
 
 
-def tp_command(model_dir, port: int, tp: int) -> list[str]:
+def tp_command(model_dir, port: int, tp: int, extra: Sequence[str] = ()) -> list[str]:
     """`vllm-aot serve` with `tp` ranks (one replica: it becomes vLLM's server)."""
     return [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model_dir), "--backend",
             "eager", "--port", str(port), "--tensor-parallel-size", str(tp), *SHAPE_ARGS,
-            "--served-model-name", "tiny"]  # fmt: skip
+            "--served-model-name", "tiny", *extra]  # fmt: skip
+
+
+def one_rank_tokens(model_dir) -> list[list[int]]:
+    """What one rank generates greedily from PROMPTS (our runtime's Generator)."""
+    model, _ = load_model(model_dir, tiny_config(), show_progress=False)
+    requests = [GenerationRequest(p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
+    return [r.token_ids for r in Generator(model).generate(requests)]
+
+
+def served_tokens(url: str) -> list[list[int]]:
+    """The server's greedy completions of PROMPTS."""
+    client = _client(url)
+    return [
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        .choices[0]
+        .token_ids
+        for prompt in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,25 +72,9 @@ def _client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def one_rank_tokens(model_dir) -> list[list[int]]:
-    """PROMPTS' greedy tokens from our runtime on one rank (the tiny shapes)."""
-    model, _ = load_model(model_dir, tiny_config(), show_progress=False)
-    requests = [GenerationRequest(p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
-    return [r.token_ids for r in Generator(model).generate(requests)]
-
-
 def test_two_ranks_answer_what_one_rank_computes(tp_server, tiny_model_dirs):
     url, _, log = tp_server
-    client = _client(url)
-    for prompt, tokens in zip(PROMPTS, one_rank_tokens(tiny_model_dirs("llama")), strict=True):
-        out = client.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        assert out.choices[0].token_ids == tokens
+    assert served_tokens(url) == one_rank_tokens(tiny_model_dirs("llama"))
     lines = log.read_text(errors="replace")
     assert "tensor-parallel rank 0 of 2" in lines and "tensor-parallel rank 1 of 2" in lines
 

@@ -2,18 +2,21 @@
 (the multiprocessing executor on one machine or across machines with `--nnodes`, or Ray), each
 worker joins vLLM's process groups here, and our programs' collectives
 (`kernels/collectives.py`) go through vLLM's tensor-parallel group: its CPU communicator, shared
-memory between the ranks of one machine, gloo across machines.
+memory when all the group's ranks are on one machine, gloo when they are not (`shm_ident`).
 
-Each rank takes its own share of the cores it was given (the engine's affinity, split evenly
-among the ranks on this machine by local rank), so the ranks' OpenMP teams never contend for a
-core.
+Each rank takes its own share of the cores it was given (the engine's affinity, or on Ray its
+node's: what that node's `ray start` was given), split evenly among the ranks there by local
+rank, so the ranks' OpenMP teams never contend for a core.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,6 +57,37 @@ def rank_cores(cores: list[int], local_rank: int, local_world_size: int) -> tupl
     return tuple(cores[local_rank * share : (local_rank + 1) * share])
 
 
+def shm_ident(init_method: str, machine: str) -> str:
+    """What names the ranks' shared-memory group in vLLM's CPU communicator (`VLLM_DIST_IDENT`):
+    the engine's rendezvous as vLLM's CPU worker names it, so another engine's differs, and the
+    machine, so ranks on other machines name theirs otherwise: vLLM then joins a group spanning
+    machines through gloo, where one shared-memory name would have each rank open segments that
+    exist only on the others' machines (pure)."""
+    engine = (
+        os.path.basename(init_method.removeprefix("file://"))
+        if init_method.startswith("file://")
+        else init_method.split(":")[-1]
+    )
+    return f"{engine}-{machine}"
+
+
+def machine_id() -> str:
+    """Ranks share memory only on one machine: its host name (a container's own) and boot."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    text = f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _ranks_on_this_machine(parallel) -> int:
+    """How many ranks share this process's cores: those Ray placed on this node, or vLLM's
+    local world size (the world size over `--nnodes`)."""
+    if parallel.use_ray:
+        from vllm_aot.plugin.ray_ranks import ranks_on_this_node
+
+        return ranks_on_this_node()
+    return parallel.local_world_size
+
+
 def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | None) -> RankPlace:
     """Join vLLM's process groups when there is more than one rank (gloo, as vLLM's CPU platform
     does), install its tensor-parallel group as our programs' communicator, and pin this
@@ -70,19 +104,13 @@ def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | No
     )
 
     init_method = init_method or "env://"
-    # What names the ranks' shared-memory group in vLLM's CPU communicator (its CPU worker
-    # sets it the same way): the same on every rank of this engine, another engine's differs.
-    os.environ["VLLM_DIST_IDENT"] = (
-        os.path.basename(init_method.removeprefix("file://"))
-        if init_method.startswith("file://")
-        else init_method.split(":")[-1]
-    )
+    os.environ["VLLM_DIST_IDENT"] = shm_ident(init_method, machine_id())
     init_distributed_environment(parallel.world_size, rank, init_method, local_rank, "gloo")
     ensure_model_parallel_initialized(
         parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     )
     collectives.install(VllmTensorParallel(get_tp_group()))
-    mine = rank_cores(cores, local_rank, parallel.local_world_size)
+    mine = rank_cores(cores, local_rank, _ranks_on_this_machine(parallel))
     os.sched_setaffinity(0, mine)
     place = RankPlace(get_tensor_model_parallel_rank(), parallel.tensor_parallel_size, mine)
     logger.info(

@@ -16,11 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import ClassVar
 
+import vllm.envs as envs
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
+from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
 from vllm_aot.plugin.spec_decode import num_speculative_tokens, speculative_problems
 from vllm_aot.runtime.config import CONVERTS, QUANTIZATIONS, RUNNERS
 
@@ -75,6 +77,11 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append("context parallelism (supported: 1)")
     if parallel.enable_expert_parallel:
         problems.append("--enable-expert-parallel (dense models only)")
+    if parallel.use_ray and not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:
+        problems.append(
+            "VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0, vLLM's legacy Ray executor (supported: its "
+            "default Ray executor)"
+        )
     if problems:
         raise ValueError("vllm-aot does not support " + "; ".join(problems))
 
@@ -147,6 +154,19 @@ def _refuse_uncached(model: str, options) -> None:
         raise ValueError(cache.miss_message(arch, missing))
 
 
+def _set_up_executor(parallel) -> None:
+    """One rank: the engine process holds the worker, no extra process hop per step. Several:
+    vLLM's executor as given (multiprocessing by default, or Ray: `plugin/ray_ranks.py`); each
+    worker takes its share of the cores (`plugin/parallel.py`), so vLLM's own binding (which
+    reserves a core per rank for its scheduler) is off."""
+    if parallel.world_size == 1:
+        parallel.distributed_executor_backend = "uni"
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if parallel.use_ray:
+        parallel.ray_runtime_env = with_setup_hook(parallel.ray_runtime_env)
+
+
 def _stats_file() -> str:
     """Where this front end's engine reports its start-up counters (removed at exit)."""
     path = Path(tempfile.gettempdir()) / f"vllm-aot-stats-{os.getpid()}.json"
@@ -190,6 +210,8 @@ def _log_shapes(runtime, artifact_dir, *, is_async: bool) -> None:
 
 class AotPlatform(CpuPlatform):
     device_name = "cpu"
+    # vLLM's Ray executor places one rank per unit of this resource (`plugin/ray_ranks.py`).
+    ray_device_key: ClassVar[str] = RAY_RESOURCE
     # vLLM checks --quantization against this list (`plugin/quantization.py` registers the names).
     supported_quantization: ClassVar[list[str]] = list(QUANTIZATIONS)
 
@@ -266,14 +288,7 @@ class AotPlatform(CpuPlatform):
             if is_async
             else SCHEDULER_CLS
         )
-        if vllm_config.parallel_config.world_size == 1:
-            # One engine process holds the worker: no extra process hop per step.
-            vllm_config.parallel_config.distributed_executor_backend = "uni"
-        else:
-            # Several ranks run on vLLM's executor as given (multiprocessing by default, or
-            # Ray); each worker takes its share of the engine's cores (`plugin/parallel.py`),
-            # so vLLM's own binding (which reserves a core per rank for its scheduler) is off.
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        _set_up_executor(vllm_config.parallel_config)
         extra[RESOLVED_KEY] = options.to_dict()
         vllm_config.additional_config = extra
         _log_shapes(runtime, options.artifact_dir, is_async=is_async)
