@@ -50,11 +50,22 @@ class RopeSpec:
         return torch.where(is_medium, smoothed, scaled)
 
 
+# `ModelArch`'s mixture-of-experts fields (left out of a dense model's digest).
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "expert_parallel_size")
+
+
 @dataclass(frozen=True)
 class ModelArch:
     """Architecture of a model, as our implementation needs it: a decoder (causal attention,
     rotary positions, a KV cache) or, with `is_encoder`, an encoder (bidirectional attention,
-    absolute position and token-type embeddings, no KV cache; `rope` unused)."""
+    absolute position and token-type embeddings, no KV cache; `rope` unused).
+
+    A mixture-of-experts decoder (`num_experts` > 0) has a sparse MoE block in every layer in
+    place of the MLP: `intermediate_size` is then each expert's, a router picks
+    `num_experts_per_tok` experts per token (their softmax probabilities renormalised to sum to
+    one when `norm_topk_prob`), and `expert_parallel_size` is how many ranks the experts split
+    over (1 but in a rank's share, `for_rank`).
+    """
 
     architecture: str  # the HF name, e.g. "MistralForCausalLM"
     family: str  # the registered family whose layer maths and parameters it uses, e.g. "llama"
@@ -72,11 +83,27 @@ class ModelArch:
     sliding_window: int | None = None
     is_encoder: bool = False
     type_vocab_size: int = 0  # token-type (segment) embeddings of an encoder
+    num_experts: int = 0  # experts of each layer's MoE block (the router's outputs); 0: dense
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
+    expert_parallel_size: int = 1  # ranks the experts split over (each holds a contiguous range)
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (
             "query heads must group evenly over KV heads"
         )
+        assert self.num_experts % self.expert_parallel_size == 0, (
+            "experts must split evenly over the expert-parallel ranks"
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_experts_per_rank(self) -> int:
+        """The experts one rank holds (all of them unless expert-parallel)."""
+        return self.num_experts // self.expert_parallel_size
 
     @property
     def q_size(self) -> int:
@@ -86,19 +113,25 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def for_rank(self, tensor_parallel_size: int) -> ModelArch:
+    def for_rank(self, tensor_parallel_size: int, *, expert_parallel: bool = False) -> ModelArch:
         """One of `tensor_parallel_size` ranks' share of every layer: its query and KV heads and
         intermediate features (the hidden size and vocabulary stay whole: the embedding and head
-        split by `Shard.VOCAB` rows). Raises ValueError naming what does not split evenly."""
+        split by `Shard.VOCAB` rows). An MoE layer's experts split by intermediate features
+        like an MLP, or, with `expert_parallel` (vLLM's --enable-expert-parallel), whole experts
+        over the same ranks (`expert_parallel_size`; attention stays tensor-parallel). Raises
+        ValueError naming what does not split evenly."""
         tp = tensor_parallel_size
         if tp == 1:
             return self
         if self.is_encoder:
             raise ValueError(f"{self.architecture}: encoders run on one rank (tensor parallel 1)")
+        if expert_parallel and not self.is_moe:
+            raise ValueError(f"{self.architecture} has no experts to split (expert parallel)")
+        split = ("experts", self.num_experts) if expert_parallel else None
         for what, count in (
             ("attention heads", self.num_heads),
             ("KV heads", self.num_kv_heads),
-            ("intermediate size", self.intermediate_size),
+            split or ("intermediate size", self.intermediate_size),
         ):
             if count % tp:
                 raise ValueError(
@@ -109,7 +142,8 @@ class ModelArch:
             self,
             num_heads=self.num_heads // tp,
             num_kv_heads=self.num_kv_heads // tp,
-            intermediate_size=self.intermediate_size // tp,
+            intermediate_size=self.intermediate_size // (1 if expert_parallel else tp),
+            expert_parallel_size=tp if expert_parallel else 1,
         )
 
     def digest_fields(self) -> dict[str, Any]:
@@ -118,6 +152,9 @@ class ModelArch:
         fields = dict(self.__dict__)
         fields.pop("architecture")
         fields["rope"] = dict(self.rope.__dict__)
+        if not self.is_moe:  # dense models keep the digests they had before MoE fields existed
+            for name in MOE_FIELDS:
+                fields.pop(name)
         return fields
 
 
@@ -176,4 +213,29 @@ def decoder_arch_from_hf(
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
+    )
+
+
+def with_experts(
+    arch: ModelArch,
+    *,
+    num_experts: int,
+    num_experts_per_tok: int,
+    expert_intermediate_size: int,
+    norm_topk_prob: bool,
+) -> ModelArch:
+    """`arch` (`decoder_arch_from_hf`'s) with a sparse MoE block in every layer, its experts'
+    intermediate size in `intermediate_size`. Raises ValueError for a top-k outside
+    1..num_experts."""
+    if not 0 < num_experts_per_tok <= num_experts:
+        raise ValueError(
+            f"{arch.architecture} with num_experts_per_tok={num_experts_per_tok} and "
+            f"{num_experts} experts is not supported; supported: 1 to the number of experts"
+        )
+    return replace(
+        arch,
+        intermediate_size=expert_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=norm_topk_prob,
     )

@@ -2,9 +2,10 @@
 
 A family (`models/llama.py`, `qwen2.py`, `qwen3.py`, registered in `models/registry.py`) gives:
 - `parse_config`: an HF `config.json` dictionary -> `ModelArch`, refusing what it cannot run;
-- `layer_spec`: one decoder layer's parameters (norms and `Linear`s: names, HF tensors, fusions,
-  shards) for an architecture and weight format; `models/weights.py` loads by it, and layer
-  programs take the tensors in its order (`LayerSpec.tensor_names`);
+- `layer_spec`: one decoder layer's parameters (norms, `Linear`s: names, HF tensors, fusions,
+  shards; a sparse MoE block's `Experts`) for an architecture and weight format;
+  `models/weights.py` loads by it, and layer programs take the tensors in its order
+  (`LayerSpec.tensor_names`);
 - `decoder_layer`: the layer's maths composed from `models/layers.py`, over `LayerParams`.
 """
 
@@ -15,10 +16,17 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
+from vllm_aot.models import layers
 from vllm_aot.models.config import ModelArch
+from vllm_aot.models.experts import Experts, ExpertsKernel
+from vllm_aot.models.experts import tensor_names as experts_tensor_names
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.linear import Linear, LinearKernel, Shard
+
+# What programs run for experts where our kernels do not (and tests compare the kernel with).
+REFERENCE_EXPERTS = ExpertsKernel("torch", layers.moe_experts)
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ class Norm:
 class LayerSpec:
     """A decoder layer's parameters, in the order layer programs take their tensors."""
 
-    params: tuple[Norm | Linear, ...]
+    params: tuple[Norm | Linear | Experts, ...]
 
     def linears(self) -> tuple[Linear, ...]:
         return tuple(p for p in self.params if isinstance(p, Linear))
@@ -47,19 +55,24 @@ class LayerSpec:
         return linear
 
     def with_formats(self, format_of: Callable[[str], str]) -> LayerSpec:
-        """The same layer with each linear in format `format_of(linear name)`."""
-        return LayerSpec(
-            tuple(
-                replace(p, format=format_of(p.name)) if isinstance(p, Linear) else p
-                for p in self.params
-            )
-        )
+        """The same layer with each linear (and experts) in format `format_of(its name)`;
+        ValueError for experts in a format they do not support."""
+
+        def formatted(p: Norm | Linear | Experts) -> Norm | Linear | Experts:
+            if isinstance(p, Experts):
+                return p.with_format(format_of(p.name))
+            return replace(p, format=format_of(p.name)) if isinstance(p, Linear) else p
+
+        return LayerSpec(tuple(formatted(p) for p in self.params))
 
     def tensor_names(self) -> tuple[str, ...]:
         """`{param}.weight` per norm; per linear its format's stored tensors; then `.bias` for
-        either when it has one."""
+        either when it has one; experts' `Experts.tensor_names`."""
         names: list[str] = []
         for p in self.params:
+            if isinstance(p, Experts):
+                names += p.tensor_names()
+                continue
             stored = weight_format(p.format).tensor_names if isinstance(p, Linear) else ("weight",)
             bias = ("bias",) if p.has_bias else ()
             names += [f"{p.name}.{t}" for t in stored + bias]
@@ -69,6 +82,9 @@ class LayerSpec:
         """Tensors of the programs' shapes and dtypes (norms ones, the rest zeros), by name."""
         tensors: list[torch.Tensor] = []
         for p in self.params:
+            if isinstance(p, Experts):
+                tensors += p.example_tensors(dtype)
+                continue
             if isinstance(p, Norm):
                 tensors.append(torch.ones(p.size, dtype=dtype))
                 tensors += [torch.zeros(p.size, dtype=dtype)] if p.has_bias else []
@@ -89,10 +105,9 @@ class LayerParams:
     """One layer's tensors inside a program, read by the family's maths by parameter name.
 
     `arch` is the rank's own (`ModelArch.for_rank`: its heads, KV heads and intermediate
-    features); `reduce` sums a partial result over the tensor-parallel ranks (identity on one
-    rank). A row-parallel linear's output is reduced inside `linear`, so a family's maths reads
-    the same on any number of ranks; maths producing other partial sums (experts split over
-    ranks) calls `reduce` itself.
+    features, its experts); `reduce` sums a partial result over the tensor-parallel ranks
+    (identity on one rank). A row-parallel linear's output is reduced inside `linear`, and a
+    rank's experts' inside `experts`, so a family's maths reads the same on any number of ranks.
     """
 
     arch: ModelArch
@@ -100,6 +115,7 @@ class LayerParams:
     kernels: Mapping[str, LinearKernel]  # weight format name -> its kernel on this CPU
     tensors: Mapping[str, torch.Tensor]  # `LayerSpec.tensor_names` -> tensor
     reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce
+    experts_kernel: ExpertsKernel = REFERENCE_EXPERTS  # a rank's experts, on this CPU
 
     def norm(self, name: str) -> torch.Tensor:
         return self.tensors[f"{name}.weight"]
@@ -115,6 +131,18 @@ class LayerParams:
         bias = self.tensors[f"{name}.bias"] if linear.has_bias else None
         out = self.kernels[linear.format].apply(x, *stored, bias)
         return self.reduce(out) if linear.shard is Shard.ROW else out
+
+    def experts(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Sparse MoE block `name` over x [tokens, hidden] -> [tokens, hidden]: every token
+        routed (`layers.route`: the router in x's dtype, softmax and top-k in float32), then
+        the rank's experts over the tokens routed to them (`experts_kernel`), whose partial
+        sums are reduced over the ranks."""
+        router, w13, w2, first_expert = (self.tensors[n] for n in experts_tensor_names(name))
+        routing = layers.route(
+            F.linear(x, router), self.arch.num_experts_per_tok, renormalize=self.arch.norm_topk_prob
+        )
+        out = self.experts_kernel.apply(x, routing.ids, routing.weights, w13, w2, first_expert)
+        return self.reduce(out)
 
 
 # (q [tokens, heads, head_dim], k_new, v_new [tokens, kv_heads, head_dim]) -> [tokens, heads *

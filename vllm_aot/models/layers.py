@@ -2,7 +2,8 @@
 
 Family files (`models/llama.py`, ...) compose a layer from these: RMSNorm, rotary, head split,
 prefill and decode attention over the paged pool, SwiGLU; LayerNorm, packed bidirectional
-attention (encoders); the linears are the family's
+attention (encoders); a sparse MoE block's routing and its experts (the reference for the
+kernel); the linears are the family's
 `LayerParams.linear`. Pure functions over tensors: no module state, no data-dependent shapes, so
 the same code runs eagerly and exports into an ahead-of-time compiled program. Attention reads
 cached keys and values from the paged pool but never writes it: the layer returns this step's new
@@ -234,6 +235,54 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for a fused gate|up projection [tokens, 2 * intermediate]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class Routing(NamedTuple):
+    """Which experts each token goes to, and with what weight (a sparse MoE block's router)."""
+
+    ids: torch.Tensor  # [tokens, top_k] int64 expert ids
+    weights: torch.Tensor  # [tokens, top_k] float32
+
+
+def route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool) -> Routing:
+    """The top-k experts of each token by softmax probability (in float32), as HF's Qwen3-MoE
+    and Mixtral routers: their probabilities renormalised to sum to one when `renormalize`.
+    router_logits: [tokens, experts]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(ids, weights)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    first_expert: torch.Tensor,
+) -> torch.Tensor:
+    """A rank's experts over the tokens routed to them: sum over a token's routed experts e that
+    this rank holds of weight * down_e(silu(gate_e(x)) * up_e(x)); tokens' other experts (held
+    by other ranks) add nothing, so the ranks' results are partial sums.
+
+    x: [tokens, hidden]; topk_ids [tokens, top_k] int64 and topk_weights [tokens, top_k] float32
+    (`route`); w13: [rank experts, 2 * intermediate, hidden], each expert's gate|up; w2:
+    [rank experts, hidden, intermediate]; first_expert: [] int64, the global id of the rank's
+    first expert. Returns [tokens, hidden] in x's dtype, accumulated in float32.
+
+    The reference `kernels/moe_experts.cpp` is tested against, and what programs run where our
+    kernels do not: static shapes, so every expert of the rank multiplies every token (weight
+    zero where not routed), a dense sweep the kernel avoids by gathering each expert's tokens.
+    """
+    local_ids = topk_ids - first_expert
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights * (local_ids == expert)).sum(-1)  # [tokens]: 0 if not routed
+        hidden = swiglu(F.linear(x, w13[expert]))
+        out = out + F.linear(hidden, w2[expert]).float() * weight[:, None]
+    return out.to(x.dtype)
 
 
 def layer_norm(

@@ -37,10 +37,13 @@ class Shard(StrEnum):
 
 @dataclass(frozen=True)
 class Rank:
-    """One tensor-parallel rank: `index` of `size` ranks."""
+    """One tensor-parallel rank: `index` of `size` ranks; with `is_expert_parallel` an MoE
+    layer's experts split whole over the same ranks instead of by intermediate features
+    (`models/experts.py`)."""
 
     index: int
     size: int
+    is_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         assert 0 <= self.index < self.size, f"rank {self.index} outside 0..{self.size - 1}"
@@ -102,7 +105,8 @@ class WeightFormat:
     dequantize: Callable[..., torch.Tensor]  # (*stored) -> float32 [out, in]
 
 
-def _split_even(tensor: torch.Tensor, dim: int, rank: Rank, what: str) -> torch.Tensor:
+def split_even(tensor: torch.Tensor, dim: int, rank: Rank, what: str) -> torch.Tensor:
+    """`rank`'s equal part of `tensor` along `dim`; ValueError naming `what` when uneven."""
     size = tensor.shape[dim]
     if size % rank.size:
         raise ValueError(f"{what} ({size}) does not split evenly over {rank.size} ranks")
@@ -148,9 +152,9 @@ def _shard_rows_first(linear: Linear, weight: torch.Tensor, rank: Rank) -> torch
     if linear.shard is Shard.COLUMN:
         parts = weight.split(linear.out_parts)
         what = f"{linear.name} output features"
-        return torch.cat([_split_even(p, 0, rank, what) for p in parts])
+        return torch.cat([split_even(p, 0, rank, what) for p in parts])
     if linear.shard is Shard.ROW:
-        return _split_even(weight, 1, rank, f"{linear.name} input features")
+        return split_even(weight, 1, rank, f"{linear.name} input features")
     if linear.shard is Shard.VOCAB:
         return _split_vocab(weight, rank)
     return weight
@@ -164,7 +168,7 @@ def shard_bias(linear: Linear, bias: torch.Tensor, rank: Rank) -> torch.Tensor:
     if linear.shard is Shard.COLUMN:
         parts = bias.split(linear.out_parts)
         what = f"{linear.name} output features"
-        return torch.cat([_split_even(p, 0, rank, what) for p in parts])
+        return torch.cat([split_even(p, 0, rank, what) for p in parts])
     if linear.shard is Shard.VOCAB:
         return _split_vocab(bias, rank)
     return bias
@@ -173,7 +177,7 @@ def shard_bias(linear: Linear, bias: torch.Tensor, rank: Rank) -> torch.Tensor:
 def shard_input(linear: Linear, x: torch.Tensor, rank: Rank) -> torch.Tensor:
     """The activations [..., in] `rank` multiplies: its slice of the features for a row shard."""
     if linear.shard is Shard.ROW:
-        return _split_even(x, x.dim() - 1, rank, f"{linear.name} input features")
+        return split_even(x, x.dim() - 1, rank, f"{linear.name} input features")
     return x
 
 

@@ -16,6 +16,7 @@ x + down_proj(silu(gate) * up) over the normed result. Qwen2 and Qwen3 reuse the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,16 +81,22 @@ def mlp_linears(arch: ModelArch, fmt: str) -> tuple[Linear, Linear]:
     return gate_up, down
 
 
-def layer_spec(arch: ModelArch, fmt: str, *, has_qkv_bias: bool = False) -> LayerSpec:
+def attention_params(
+    arch: ModelArch, fmt: str, *, has_qkv_bias: bool = False
+) -> tuple[Norm, Linear, Linear, Norm]:
+    """The input norm, the attention's linears and the norm after attention (before the MLP,
+    or whatever block takes its place)."""
     hidden = arch.hidden_size
-    return LayerSpec(
-        (
-            Norm("input_layernorm", "input_layernorm", hidden),
-            *attention_linears(arch, fmt, has_qkv_bias=has_qkv_bias),
-            Norm("post_attention_layernorm", "post_attention_layernorm", hidden),
-            *mlp_linears(arch, fmt),
-        )
+    return (
+        Norm("input_layernorm", "input_layernorm", hidden),
+        *attention_linears(arch, fmt, has_qkv_bias=has_qkv_bias),
+        Norm("post_attention_layernorm", "post_attention_layernorm", hidden),
     )
+
+
+def layer_spec(arch: ModelArch, fmt: str, *, has_qkv_bias: bool = False) -> LayerSpec:
+    attention = attention_params(arch, fmt, has_qkv_bias=has_qkv_bias)
+    return LayerSpec((*attention, *mlp_linears(arch, fmt)))
 
 
 def project_qkv(x: torch.Tensor, params: LayerParams, observe: Observe) -> QKV:
@@ -114,8 +121,10 @@ def attend_and_mlp(
     attend: Attend,
     params: LayerParams,
     observe: Observe,
+    mlp: Callable[[torch.Tensor, LayerParams], torch.Tensor] = mlp,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotary on q and k, attention, output projection and residual, then the MLP block."""
+    """Rotary on q and k, attention, output projection and residual, then the MLP block (or
+    the block `mlp` in its place: an MoE layer's experts), observed as "mlp"."""
     q, k = layers.apply_rotary(qkv.q, *rope), layers.apply_rotary(qkv.k, *rope)
     attn = params.linear("o_proj", attend(q, k, qkv.v))
     observe("self_attn", attn)

@@ -24,12 +24,26 @@ def parse_config(name: str, config: dict[str, Any]) -> ModelArch:
     return decoder_arch_from_hf(name, config, family="qwen3")
 
 
-def layer_spec(arch: ModelArch, fmt: str) -> LayerSpec:
-    qk_norms = (
+def qk_norms(arch: ModelArch) -> tuple[Norm, Norm]:
+    return (
         Norm("q_norm", "self_attn.q_norm", arch.head_dim),
         Norm("k_norm", "self_attn.k_norm", arch.head_dim),
     )
-    return LayerSpec(llama.layer_spec(arch, fmt).params + qk_norms)
+
+
+def layer_spec(arch: ModelArch, fmt: str) -> LayerSpec:
+    return LayerSpec(llama.layer_spec(arch, fmt).params + qk_norms(arch))
+
+
+def project_qkv(x: torch.Tensor, params: LayerParams, observe: Observe) -> QKV:
+    """Llama's projection, then RMSNorm over each query and key head."""
+    q, k, v = llama.project_qkv(x, params, observe)
+    eps = params.arch.rms_norm_eps
+    return QKV(
+        layers.rms_norm(q, params.norm("q_norm"), eps),
+        layers.rms_norm(k, params.norm("k_norm"), eps),
+        v,
+    )
 
 
 def decoder_layer(
@@ -40,13 +54,7 @@ def decoder_layer(
     params: LayerParams,
     observe: Observe,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = llama.project_qkv(x, params, observe)
-    eps = params.arch.rms_norm_eps
-    qkv = QKV(
-        layers.rms_norm(q, params.norm("q_norm"), eps),
-        layers.rms_norm(k, params.norm("k_norm"), eps),
-        v,
-    )
+    qkv = project_qkv(x, params, observe)
     return llama.attend_and_mlp(x, qkv, rope=rope, attend=attend, params=params, observe=observe)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.models import bert, llama, qwen2, qwen3
+from vllm_aot.models import bert, llama, mixtral, qwen2, qwen3, qwen3_moe
 from vllm_aot.models.config import ModelArch, load_hf_config
 from vllm_aot.models.family import Family
 
@@ -18,6 +18,8 @@ FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
     bert.FAMILY,
 )
 

@@ -11,11 +11,29 @@ import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-# Small, but with every feature of its family: GQA, tied or untied head, bias, q/k norm.
+# Small, but with every feature of its family: GQA, tied or untied head, bias, q/k norm; MoE:
+# 8 experts, top-2 (Qwen3-MoE's probabilities as they are, Mixtral's renormalised).
 TINY_FAMILIES = {
     "llama": dict(cls="LlamaConfig", tie_word_embeddings=True, rope_theta=100000.0),
     "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=False, rope_theta=1000000.0),
     "qwen3": dict(cls="Qwen3Config", tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3_moe": dict(
+        cls="Qwen3MoeConfig",
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        cls="MixtralConfig",
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
 }
 
 
@@ -61,7 +79,7 @@ def make_tiny_model(
     with torch.no_grad():
         # Larger-than-default weights so logits spread out and greedy choices are well separated.
         for param in model.parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # linears, embeddings, stacked experts
                 param.normal_(0.0, 0.08)
             else:  # norms and biases: away from exactly one/zero so mistakes show
                 param.add_(torch.randn_like(param) * 0.1)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from vllm_aot.models.checkpoints import Checkpoint, open_checkpoint
 from vllm_aot.models.config import ModelArch
+from vllm_aot.models.experts import Experts, load_experts
 from vllm_aot.models.family import LayerSpec, Norm
 from vllm_aot.models.formats import dense_format, take_rows, weight_format
 from vllm_aot.models.linear import (
@@ -72,6 +73,9 @@ def _load_layer(
 ) -> LayerWeights:
     tensors: list[torch.Tensor] = []
     for param in spec.params:
+        if isinstance(param, Experts):
+            tensors += load_experts(checkpoint, param, prefix, dtype, rank)
+            continue
         if isinstance(param, Norm):
             parts = ("weight", "bias") if param.has_bias else ("weight",)
             for part in parts:
