@@ -22,7 +22,7 @@ from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKind
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def _failure_message(report) -> str:

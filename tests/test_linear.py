@@ -53,7 +53,9 @@ def test_kernel_choice_follows_the_cpu(fmt, cpu, kernel):
     assert WEIGHT_FORMATS[fmt].kernel(cpu).name == kernel
 
 
-def test_program_kernels_name_each_format_the_attention_and_the_logprobs(monkeypatch):
+def test_program_kernels_name_each_format_the_attention_the_experts_and_the_logprobs(
+    monkeypatch,
+):
     """The cache key's kernel names: bf16 kernel only without native bfloat16, else aten."""
     for fmt in ("fp32", "bf16"):
         cpu = torch.cpu
@@ -62,6 +64,7 @@ def test_program_kernels_name_each_format_the_attention_and_the_logprobs(monkeyp
         assert kernels.program_kernels([fmt]) == {
             f"linear.{fmt}": LINEAR_BF16 if uses_kernel else ATEN,
             "attention": kernels.DECODE_ATTENTION if kernels.kernels_enabled() else kernels.TORCH,
+            "experts": kernels.MOE_EXPERTS if kernels.kernels_enabled() else kernels.TORCH,
             "logprobs": kernels.LOGPROB_STATS if kernels.kernels_enabled() else kernels.TORCH,
         }
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)

@@ -46,6 +46,7 @@ class OurLayer:
     """Layer 0 of a tiny model as our family maths sees it, beside HF's `hf.model.layers[0]`."""
 
     def __init__(self, model_dir) -> None:
+        self.model_dir = model_dir
         self.arch = load_arch(model_dir)
         self.family = family_of(self.arch)
         weights = load_weights(model_dir, self.arch, torch.float32)
@@ -59,9 +60,16 @@ class OurLayer:
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_cos_sin(positions, self.arch.rope.inv_freq(), torch.float32)
 
-    def forward(self, x: torch.Tensor, observed: dict[str, torch.Tensor]):
-        """The family's decoder layer over a fresh sequence: prefill attention, empty cache."""
-        shape = (1, 16, self.arch.num_kv_heads, self.arch.head_dim)
+    def forward(
+        self,
+        x: torch.Tensor,
+        observed: dict[str, torch.Tensor],
+        params: LayerParams | None = None,
+    ):
+        """The family's decoder layer over a fresh sequence: prefill attention, empty cache;
+        with `params`, a rank's (its own heads, a pool of its KV heads)."""
+        params = params or self.params
+        shape = (1, 16, params.arch.num_kv_heads, params.arch.head_dim)
         empty_pool = torch.zeros(shape)
         no_context = torch.zeros(0, dtype=torch.int64)
         causal = torch.ones(len(x), len(x), dtype=torch.bool).tril()
@@ -74,7 +82,7 @@ class OurLayer:
             x,
             rope=self.rope(torch.arange(len(x))),
             attend=attend,
-            params=self.params,
+            params=params,
             observe=observed.__setitem__,
         )
 
@@ -238,7 +246,7 @@ def hf_config(architecture: str, **fields) -> dict:
         (hf_config("Qwen3ForCausalLM", use_sliding_window=True), "use_sliding_window=true"),
         (
             hf_config("GPT2LMHeadModel"),
-            "supported: BertModel, LlamaForCausalLM, MistralForCausalLM, Qwen2",
+            "supported: BertModel, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2",
         ),
     ],
 )

@@ -32,7 +32,7 @@ def prompts_of_lengths(*lengths: int) -> list[list[int]]:
     return [[(97 * i + 13 * n) % 40000 + 100 for i in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_prefill_logits_match_hf(tiny_model_dirs, family):
     model_dir = tiny_model_dirs(family)
     model, _ = load_model(model_dir, tiny_config(), show_progress=False)

@@ -21,6 +21,11 @@
   only the row's real context (pools of q's dtype, or fp8 with the layer's scales), where the
   pure-torch version (`models.layers.decode_attention`, the reference) attends over the whole
   static context bucket and Inductor's code for it is mostly gathers.
+- `vllm_aot::moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, use_linear_bf16)`
+  (`moe_experts.cpp`): a rank's experts of a sparse MoE block over only the tokens routed to
+  them (grouped by expert, gathered, multiplied, weighted and added back), where the pure-torch
+  version (`models.layers.moe_experts`, the reference) multiplies every token by every expert to
+  keep its shapes static.
 - `vllm_aot::logprob_stats(logits, tokens, n)` (`logprob_stats.cpp`): the sampled tokens' raw
   logprobs, ranks and the top-n of each row in three passes over its logits, where the sampler's
   pure-torch version (`runtime.sampler.logprob_stats`, the reference) materialises every logprob
@@ -29,9 +34,9 @@
 Which implementation a program calls is fixed when it is compiled (`program_kernels`, part of
 its cache key): the linear's from its weight format's choice for this CPU (`models/formats.py`
 registers the formats and their kernels; `cpu_features()` is what the choice reads), the decode
-attention's and the head's logprob statistics' here. Compiled programs call the ops by name,
-so the library is loaded (`load()`) before any program runs. `VLLM_AOT_KERNELS=0` turns every
-kernel off (aten and pure torch only), for debugging and comparison.
+attention's, the experts' and the head's logprob statistics' here. Compiled programs call the
+ops by name, so the library is loaded (`load()`) before any program runs. `VLLM_AOT_KERNELS=0`
+turns every kernel off (aten and pure torch only), for debugging and comparison.
 
 Each `.cpp` file here defines its ops, their CPU implementation and their shape function (a Meta
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
@@ -76,6 +81,7 @@ from vllm_aot.files import (
     staged_dir,
     write_json_atomic,
 )
+from vllm_aot.models.experts import REFERENCE_EXPERTS, ExpertsKernel
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.paths import cache_root
@@ -92,6 +98,7 @@ RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
 DECODE_ATTENTION = "vllm_aot.decode_attention/2"
 LOGPROB_STATS = "vllm_aot.logprob_stats/1"
+MOE_EXPERTS = "vllm_aot.moe_experts/1"
 TORCH = "torch"
 _LIBRARY_OPS = "vllm_aot."  # the prefix of every kernel name that is one of our ops
 
@@ -127,11 +134,22 @@ def logprobs_impl() -> str:
     return LOGPROB_STATS if kernels_enabled() else TORCH
 
 
+def experts_impl() -> str:
+    """What layer programs of MoE models use for a rank's experts: the kernel wherever kernels
+    build."""
+    return MOE_EXPERTS if kernels_enabled() else TORCH
+
+
 def program_kernels(formats: Iterable[str]) -> dict[str, str]:
     """What programs whose linears use `formats` call on this CPU (their cache key names it):
-    `linear.<format>` per format, `attention` and `logprobs`."""
+    `linear.<format>` per format, `attention`, `experts` (MoE layers) and `logprobs`."""
     linears = {f"linear.{fmt}": linear_impl(fmt) for fmt in sorted(set(formats))}
-    return {**linears, "attention": attention_impl(), "logprobs": logprobs_impl()}
+    return {
+        **linears,
+        "attention": attention_impl(),
+        "experts": experts_impl(),
+        "logprobs": logprobs_impl(),
+    }
 
 
 def uses_library(formats: Iterable[str]) -> bool:
@@ -153,6 +171,23 @@ def logprob_stats_kernel(impl: str):
         return None
     load()
     return torch.ops.vllm_aot.logprob_stats
+
+
+def experts_kernel(impl: str) -> ExpertsKernel:
+    """What layer programs call for a rank's experts (`models.layers.moe_experts`' signature).
+    Its bfloat16 products use `linear_bf16` where the CPU lacks bfloat16 arithmetic, as the bf16
+    weight format does (`linear.bf16` in the same cache key)."""
+    if impl == TORCH:
+        return REFERENCE_EXPERTS
+    load()
+    use_linear_bf16 = not cpu_features().has_native_bf16
+
+    def apply(x, topk_ids, topk_weights, w13, w2, first_expert):
+        return torch.ops.vllm_aot.moe_experts(
+            x, topk_ids, topk_weights, w13, w2, first_expert, use_linear_bf16
+        )
+
+    return ExpertsKernel(MOE_EXPERTS, apply)
 
 
 def decode_attention_fn(impl: str):

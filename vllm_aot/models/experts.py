@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from vllm_aot.models import layers
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.linear import Rank, split_even
 
@@ -55,6 +56,10 @@ class ExpertsKernel:
 
     name: str  # e.g. "torch", "vllm_aot.moe_experts/1"
     apply: Callable[..., torch.Tensor]
+
+
+# What programs run for experts where our kernels do not (and what the kernel is tested against).
+REFERENCE_EXPERTS = ExpertsKernel("torch", layers.moe_experts)
 
 
 @dataclass(frozen=True)

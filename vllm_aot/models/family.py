@@ -20,13 +20,10 @@ import torch.nn.functional as F
 
 from vllm_aot.models import layers
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.experts import Experts, ExpertsKernel
+from vllm_aot.models.experts import REFERENCE_EXPERTS, Experts, ExpertsKernel
 from vllm_aot.models.experts import tensor_names as experts_tensor_names
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.linear import Linear, LinearKernel, Shard
-
-# What programs run for experts where our kernels do not (and tests compare the kernel with).
-REFERENCE_EXPERTS = ExpertsKernel("torch", layers.moe_experts)
 
 
 @dataclass(frozen=True)
@@ -134,12 +131,14 @@ class LayerParams:
 
     def experts(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Sparse MoE block `name` over x [tokens, hidden] -> [tokens, hidden]: every token
-        routed (`layers.route`: the router in x's dtype, softmax and top-k in float32), then
-        the rank's experts over the tokens routed to them (`experts_kernel`), whose partial
-        sums are reduced over the ranks."""
+        routed in float32 (`layers.route`, the router's logits included, where HF computes
+        them in the model's dtype and its rounding makes near-equal experts tie), then the
+        rank's experts over the tokens routed to them (`experts_kernel`), whose partial sums
+        are reduced over the ranks."""
         router, w13, w2, first_expert = (self.tensors[n] for n in experts_tensor_names(name))
+        logits = F.linear(x.float(), router.float())
         routing = layers.route(
-            F.linear(x, router), self.arch.num_experts_per_tok, renormalize=self.arch.norm_topk_prob
+            logits, self.arch.num_experts_per_tok, renormalize=self.arch.norm_topk_prob
         )
         out = self.experts_kernel.apply(x, routing.ids, routing.weights, w13, w2, first_expert)
         return self.reduce(out)

@@ -28,6 +28,8 @@ from vllm_aot.kernels import (
     collectives,
     cpu_features,
     decode_attention_fn,
+    experts_impl,
+    experts_kernel,
     load_used,
     logprob_stats_kernel,
     logprobs_impl,
@@ -163,12 +165,15 @@ class Layer(nn.Module):
         cpu = cpu_features()
         formats = {linear.format for linear in self.spec.linears()}
         self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
+        self.experts = experts_kernel(experts_impl())
         attention = {ProgramKind.PREFILL: prefill_attention, ProgramKind.VERIFY: verify_attention}
         self.attention = attention.get(kind) or decode_attention_fn(attention_impl())
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights):
         tensors = dict(zip(self.tensor_names, weights, strict=True))
-        params = LayerParams(self.arch, self.spec, self.kernels, tensors, self.reduce)
+        params = LayerParams(
+            self.arch, self.spec, self.kernels, tensors, self.reduce, experts_kernel=self.experts
+        )
         cache = PagedKV(k_pool, v_pool, k_scale, v_scale)
 
         def attend(q, k, v):
