@@ -10,10 +10,44 @@ RESULT_PREFIX so any stray print cannot be mistaken for it.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 RESULT_PREFIX = "OFFLINE_LLM_RESULT "
+# What the engine's process needs: a small KV pool, logs on stderr.
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def run_offline_llm(spec: dict, log: Path, timeout: float) -> dict:
+    """This script on `spec` in a subprocess (its stderr in `log`) -> its JSON result; raises
+    AssertionError with the stdout and the log's tail when it fails."""
+    start = time.monotonic()
+    with open(log, "wb") as stderr:
+        proc = subprocess.run(
+            [sys.executable, __file__, json.dumps(spec)],
+            env={**os.environ, **ENV},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            timeout=timeout,
+            check=False,
+        )
+    stdout = proc.stdout.decode(errors="replace")
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or len(lines) != 1:
+        tail = log.read_text(errors="replace")[-6000:]
+        raise AssertionError(
+            f"vllm.LLM subprocess exited with {proc.returncode} after "
+            f"{time.monotonic() - start:.0f} s and {len(lines)} result lines; "
+            f"stdout:\n{stdout[-2000:]}\nlog tail:\n{tail}"
+        )
+    return json.loads(lines[0].removeprefix(RESULT_PREFIX))
 
 
 def main(spec: dict) -> dict:

@@ -7,21 +7,13 @@ tokens must be exactly those of our runtime's own Generator with the same config
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-from tests.e2e.offline_llm import RESULT_PREFIX
+from tests.e2e.offline_llm import run_offline_llm
 from tests.helpers import tiny_config
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 
-SCRIPT = Path(__file__).with_name("offline_llm.py")
 # The same shapes as tiny_config(): 4 rows, 256 tokens, blocks of 16, 64-token prefill chunks.
 ENGINE_KWARGS = {
     "additional_config": {"backend": "eager"},
@@ -30,11 +22,6 @@ ENGINE_KWARGS = {
     "max_num_batched_tokens": 64,
     "block_size": 16,
     "dtype": "float32",
-}
-ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-    "TOKENIZERS_PARALLELISM": "false",
 }
 # More prompts than rows (requests wait, join and leave), and prompts longer than a 64-token
 # prefill chunk (chunked prefill reading earlier blocks).
@@ -61,26 +48,7 @@ def offline_results(tiny_model_dirs, tmp_path_factory) -> dict:
         "chat_max_tokens": CHAT_MAX_TOKENS,
     }
     log = tmp_path_factory.mktemp("offline") / "llm.log"
-    start = time.monotonic()
-    with open(log, "wb") as stderr:
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), json.dumps(spec)],
-            env={**os.environ, **ENV},
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-    elapsed = time.monotonic() - start
-    stdout = proc.stdout.decode(errors="replace")
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or len(lines) != 1:
-        tail = log.read_text(errors="replace")[-6000:]
-        pytest.fail(
-            f"vllm.LLM subprocess exited with {proc.returncode} after {elapsed:.0f} s and "
-            f"{len(lines)} result lines; stdout:\n{stdout[-2000:]}\nlog tail:\n{tail}"
-        )
-    return json.loads(lines[0].removeprefix(RESULT_PREFIX))
+    return run_offline_llm(spec, log, TIMEOUT_S)
 
 
 def test_llm_runs_on_our_platform(offline_results):
