@@ -30,7 +30,7 @@ from tests.test_models import (  # the decoder layer's test, run here on the MoE
 from tests.test_runtime import hf_greedy, prompts_of_lengths
 from vllm_aot import kernels
 from vllm_aot.loading.startup import load_model
-from vllm_aot.models.experts import REFERENCE_EXPERTS
+from vllm_aot.models.experts import REFERENCE_EXPERTS, rank_share
 from vllm_aot.models.family import LayerParams
 from vllm_aot.models.formats import ATEN_LINEAR
 from vllm_aot.models.layers import moe_experts, route
@@ -262,6 +262,8 @@ def test_a_rank_holds_its_experts_and_names_the_first(tiny_model_dirs):
     }
     tp = arch.for_rank(2)
     assert (tp.intermediate_size, tp.num_experts_per_rank) == (24, 8)
+    assert rank_share(arch, Rank(1, 2, True)) == "experts 4-7 of 8 (expert parallel)"
+    assert rank_share(arch, Rank(1, 2)) == "all 8 experts, 1/2 of each one's intermediate features"
 
 
 def hf_moe_config(architecture: str, **fields) -> dict:
@@ -332,17 +334,25 @@ def test_greedy_generation_matches_hf(tiny_model_dirs, family):
         assert result.token_ids == hf_greedy(model_dir, prompt, 12), f"prompt of {len(prompt)}"
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_validate_command_passes_against_hf(tiny_model_dirs, family):
-    """`vllm-aot validate` in fp32 at its default tolerances, greedy text equal to HF's. (In
-    bfloat16 the tiny models' three-way verdict is decided by a few near-tie routing choices:
-    docs/model-bringup.md; the bf16 experts are tested above.)"""
+@pytest.mark.parametrize(
+    ("family", "ranks"),
+    [
+        ("qwen3_moe", []),
+        ("mixtral", []),
+        ("mixtral", ["--tensor-parallel-size=2", "--enable-expert-parallel"]),
+    ],
+    ids=["qwen3_moe", "mixtral", "mixtral-ep2"],
+)
+def test_validate_command_passes_against_hf(tiny_model_dirs, family, ranks):
+    """`vllm-aot validate` in fp32 at its default tolerances, greedy text equal to HF's, on one
+    rank and on two holding 4 experts each. (In bfloat16 the tiny models' three-way verdict is
+    decided by a few near-tie routing choices: docs/model-bringup.md; the bf16 experts are
+    tested above.)"""
     from tests.test_accuracy_tools import TINY_CLI_CONFIG
     from vllm_aot.cli.main import main
 
-    assert (
-        main(["validate", str(tiny_model_dirs(family)), *TINY_CLI_CONFIG, "--num-tokens=16"]) == 0
-    )
+    args = [*TINY_CLI_CONFIG, "--num-tokens=16", *ranks]
+    assert main(["validate", str(tiny_model_dirs(family)), *args]) == 0
 
 
 @needs_kernels

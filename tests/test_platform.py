@@ -11,7 +11,7 @@ from vllm.sampling_params import SamplingParams
 
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.parallel import machine_id, rank_cores, shm_ident
-from vllm_aot.plugin.platform import AotPlatform, _refuse_unsupported
+from vllm_aot.plugin.platform import AotPlatform
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, SETUP_HOOK, with_setup_hook
 
 
@@ -56,12 +56,17 @@ def test_what_we_cannot_run_is_refused_at_start_up(tiny_model_dir, flags, refusa
     assert refusal in str(excinfo.value)
 
 
-def test_expert_parallelism_is_refused(tiny_model_dir):
-    """vLLM refuses it for a dense model before our hook; a MoE model would pass vLLM's check."""
-    config = engine_config(tiny_model_dir)
-    config.parallel_config.enable_expert_parallel = True
-    with pytest.raises(ValueError, match=r"--enable-expert-parallel \(dense models only\)"):
-        _refuse_unsupported(config)
+def test_expert_parallelism_reaches_the_runtime_config(tiny_model_dirs):
+    """--enable-expert-parallel on an MoE model: its ranks hold whole experts (vLLM itself
+    refuses the flag for a dense model, before our hook)."""
+    config = engine_config(
+        tiny_model_dirs("qwen3_moe"), tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert (runtime.tensor_parallel_size, runtime.enable_expert_parallel) == (2, True)
+    config = engine_config(tiny_model_dirs("qwen3_moe"), tensor_parallel_size=2)
+    runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
+    assert not runtime.enable_expert_parallel  # experts split by intermediate features
 
 
 def test_tensor_parallelism_runs_on_vllms_executor(tiny_model_dir):

@@ -59,6 +59,21 @@ def test_biases_and_qk_norms_split_over_ranks(tiny_model_dirs, family):
     torch.testing.assert_close(ranks[1]["logits"], one["logits"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_split_over_two_ranks(tiny_model_dirs, family):
+    """Expert parallel (each rank 4 whole experts of 8) and tensor parallel (each expert's
+    intermediate features halved): one rank's greedy text and logits."""
+    model_dir = tiny_model_dirs(family)
+    fields = tiny_config().to_dict()
+    one = _single(model_dir, fields)
+    for is_expert_parallel in (True, False):
+        split = {**fields, "tensor_parallel_size": 2, "enable_expert_parallel": is_expert_parallel}
+        ranks = run_ranks(_run, 2, model_dir, split)
+        assert [r["greedy"] for r in ranks] == [one["greedy"]] * 2
+        for rank in ranks:
+            torch.testing.assert_close(rank["logits"], one["logits"], atol=1e-4, rtol=1e-4)
+
+
 def test_a_split_that_does_not_divide_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"attention heads \(4\) do not split evenly over .* 3"):
         load_model(tiny_model_dir, tiny_config(tensor_parallel_size=3), show_progress=False)
@@ -91,7 +106,7 @@ def test_compiled_programs_call_the_collectives(tiny_model_dirs):
     assert [r["greedy"] for r in ranks] == [one["greedy"]] * 2
 
 
-def test_programs_and_the_registry_are_keyed_by_the_rank_count(tiny_model_dir):
+def test_programs_and_the_registry_are_keyed_by_the_rank_count(tiny_model_dir, tiny_model_dirs):
     """One set of programs serves every rank of a size; another size is another set."""
     from vllm_aot.cache.keys import program_cache_key
     from vllm_aot.cache.registry import CompiledConfiguration, describe_rows
@@ -104,6 +119,10 @@ def test_programs_and_the_registry_are_keyed_by_the_rank_count(tiny_model_dir):
     assert keys == all_program_keys(one)
     for key in keys:
         assert program_cache_key(arch, one, key) != program_cache_key(arch, two, key)
+    expert_parallel = tiny_config(tensor_parallel_size=2, enable_expert_parallel=True)
+    moe = load_arch(tiny_model_dirs("mixtral"))
+    for key in keys:  # whole experts per rank, or every expert's slice: other programs
+        assert program_cache_key(moe, two, key) != program_cache_key(moe, expert_parallel, key)
     record = CompiledConfiguration.build(arch, two, {})
     header, row = describe_rows([record])
     assert record.tensor_parallel_size == 2 and row[header.index("TP")] == "2"

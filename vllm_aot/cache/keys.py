@@ -44,6 +44,7 @@ _PROGRAM_FIELDS = (
     "weight_formats",
     "kv_cache_dtype",
     "tensor_parallel_size",
+    "enable_expert_parallel",
 )
 
 

@@ -73,6 +73,11 @@ def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor
         default=1,
         help="ranks the model is split over (here: one process each on this machine)",
     )
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="an MoE model's experts split whole over the ranks (vLLM's flag)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -94,6 +99,7 @@ def config_from_args(args: argparse.Namespace):
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc

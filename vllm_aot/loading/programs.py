@@ -15,7 +15,6 @@ from vllm_aot.loading.prebuilt import ensure_kernels
 from vllm_aot.loading.progress import CompileProgress
 from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.linear import Rank
 from vllm_aot.models.weights import ModelWeights, load_weights
 from vllm_aot.runtime.backends import Program, eager_program, load_program
 from vllm_aot.runtime.compiler import compile_programs
@@ -193,7 +192,8 @@ def load_weights_timed(
     report: LoadReport,
     rank: int = 0,
 ) -> ModelWeights:
-    """Tensor-parallel rank `rank`'s weights (of `config.tensor_parallel_size`)."""
+    """Tensor-parallel rank `rank`'s weights (of `config.tensor_parallel_size`; an MoE
+    model's experts split by expert under `config.enable_expert_parallel`)."""
     start = time.perf_counter()
     weights = load_weights(
         model_dir,
@@ -201,7 +201,7 @@ def load_weights_timed(
         config.torch_dtype,
         formats=config.linear_format,
         quantization=config.quantization,
-        rank=Rank(rank, config.tensor_parallel_size),
+        rank=config.rank(rank),
     )
     report.weights_seconds = time.perf_counter() - start
     report.weights_bytes = weights.num_bytes()
@@ -220,7 +220,7 @@ def check_fits(arch: ModelArch, config: RuntimeConfig) -> None:
             f"{arch.architecture} uses a sliding window of {arch.sliding_window} tokens, which "
             f"vllm-aot does not implement; use max_model_len <= {arch.sliding_window}"
         )
-    arch.for_rank(config.tensor_parallel_size)  # ValueError naming what does not split
+    config.rank_arch(arch)  # ValueError naming what does not split
     if arch.is_encoder and (config.runner != "pooling" or config.convert is not None):
         raise ValueError(
             f"{arch.architecture} is an encoder: it serves runner 'pooling' (embeddings) as it "

@@ -130,6 +130,15 @@ def rank_experts(num_experts: int, rank: Rank) -> range:
     return range(rank.index * per_rank, (rank.index + 1) * per_rank)
 
 
+def rank_share(arch: ModelArch, rank: Rank) -> str:
+    """What `rank` holds of an MoE model's experts, for the logs."""
+    ids = rank_experts(arch.num_experts, rank)
+    if rank.is_expert_parallel:
+        return f"experts {ids.start}-{ids.stop - 1} of {arch.num_experts} (expert parallel)"
+    share = f"1/{rank.size} of each one's" if rank.size > 1 else "all"
+    return f"all {arch.num_experts} experts, {share} intermediate features"
+
+
 def shard_experts(
     w13: torch.Tensor, w2: torch.Tensor, rank: Rank
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,9 +111,14 @@ def _check_speculative(asked: int, given: int | None, artifact: str | None = Non
 
 
 def _artifact_runtime(
-    model: str, kv: str | None, num_speculative_tokens: int, tensor_parallel_size: int, extra
+    model: str,
+    kv: str | None,
+    num_speculative_tokens: int,
+    parallel: tuple[int, bool],
+    extra,
 ) -> RuntimeConfig:
-    """An exported directory's configuration; ValueError for a flag contradicting it."""
+    """An exported directory's configuration; ValueError for a flag contradicting it (`parallel`:
+    --tensor-parallel-size and --enable-expert-parallel)."""
     runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
     if kv is not None and kv_cache_dtype_name(kv) != runtime.kv_cache_dtype:
         raise ValueError(
@@ -121,11 +126,17 @@ def _artifact_runtime(
             f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
         )
     _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
+    tensor_parallel_size, enable_expert_parallel = parallel
     if runtime.tensor_parallel_size != tensor_parallel_size:
         raise ValueError(
             f"{model} is an exported directory compiled for tensor_parallel_size "
             f"{runtime.tensor_parallel_size}; --tensor-parallel-size {tensor_parallel_size} "
             "contradicts it"
+        )
+    if runtime.enable_expert_parallel != enable_expert_parallel:
+        raise ValueError(
+            f"{model} is an exported directory compiled with enable_expert_parallel "
+            f"{runtime.enable_expert_parallel}; give --enable-expert-parallel exactly when it is"
         )
     if extra:
         raise ValueError(
@@ -133,6 +144,21 @@ def _artifact_runtime(
             f"remove {', '.join(extra)} from --additional-config"
         )
     return runtime
+
+
+def _parallel_fields(parallel: tuple[int, bool], extra: dict[str, Any]) -> dict[str, Any]:
+    """The configuration's fields for --tensor-parallel-size and --enable-expert-parallel (vLLM's
+    flags: their values, not --additional-config's, which may only repeat them)."""
+    tensor_parallel_size, enable_expert_parallel = parallel
+    if extra.get("enable_expert_parallel", enable_expert_parallel) != enable_expert_parallel:
+        raise ValueError(
+            "--additional-config enable_expert_parallel contradicts --enable-expert-parallel "
+            "(give the flag alone)"
+        )
+    fields: dict[str, Any] = {"enable_expert_parallel": True} if enable_expert_parallel else {}
+    if tensor_parallel_size != 1:
+        fields["tensor_parallel_size"] = tensor_parallel_size
+    return fields
 
 
 def resolve_options(
@@ -152,6 +178,7 @@ def resolve_options(
     convert: str | None = None,
     num_speculative_tokens: int = 0,
     tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> AotOptions:
     """Decide the compiled shapes for an engine (see the module docstring for precedence).
     `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one;
@@ -167,10 +194,9 @@ def resolve_options(
     options = {k: extra.pop(k) for k in OPTION_KEYS if k in extra}
     _check_speculative(num_speculative_tokens, extra.get("num_speculative_tokens"))
     kv = None if kv_cache_dtype in ("auto", str(dtype).removeprefix("torch.")) else kv_cache_dtype
+    parallel = (tensor_parallel_size, enable_expert_parallel)
     if is_artifact_dir(model):
-        runtime = _artifact_runtime(
-            model, kv, num_speculative_tokens, tensor_parallel_size, sorted(extra)
-        )
+        runtime = _artifact_runtime(model, kv, num_speculative_tokens, parallel, sorted(extra))
         return AotOptions(runtime=runtime, artifact_dir=Path(model), **options)
     fields: dict[str, Any] = {
         "max_model_len": max_model_len
@@ -184,8 +210,7 @@ def resolve_options(
         fields["quantization"] = quantization
     if num_speculative_tokens:
         fields["num_speculative_tokens"] = num_speculative_tokens
-    if tensor_parallel_size != 1:
-        fields["tensor_parallel_size"] = tensor_parallel_size
+    fields |= _parallel_fields(parallel, extra)
     if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
         fields["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:

@@ -75,8 +75,6 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append("--kv-transfer-config (no KV connectors)")
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         problems.append("context parallelism (supported: 1)")
-    if parallel.enable_expert_parallel:
-        problems.append("--enable-expert-parallel (dense models only)")
     if parallel.use_ray and not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:
         problems.append(
             "VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0, vLLM's legacy Ray executor (supported: its "
@@ -248,6 +246,7 @@ class AotPlatform(CpuPlatform):
             convert=_convert(model_config),
             num_speculative_tokens=num_speculative_tokens(vllm_config),
             tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+            enable_expert_parallel=vllm_config.parallel_config.enable_expert_parallel,
         )
         runtime = options.runtime
         if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:

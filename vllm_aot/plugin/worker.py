@@ -29,6 +29,7 @@ from vllm_aot.cache.program_cache import ProgramCache
 from vllm_aot.loading.programs import ProgramOptions
 from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
+from vllm_aot.models.experts import rank_share
 from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
@@ -122,6 +123,9 @@ class AotWorker(WorkerBase):
             rank=self.place.tp_rank,
         )
         self.arch = self.loaded.arch
+        if self.arch.is_moe:
+            rank = options.runtime.rank(self.place.tp_rank)
+            logger.info("vllm-aot: rank %d holds %s", rank.index, rank_share(self.arch, rank))
         if options.stats_file:
             self.stats_file = StatsFile(
                 options.stats_file, load_stats(self.loaded.report, self.loaded.config)
@@ -133,7 +137,7 @@ class AotWorker(WorkerBase):
     @property
     def local_arch(self) -> ModelArch:
         """This rank's share of the model (its KV heads)."""
-        return self.arch.for_rank(self.options.runtime.tensor_parallel_size)
+        return self.options.runtime.rank_arch(self.arch)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # ours: [layer][block][position][head][dim]

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import dense_format, weight_format
+from vllm_aot.models.linear import Rank
 from vllm_aot.runtime.buckets import powers_of_two, validate_buckets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -71,6 +73,10 @@ class RuntimeConfig:
     # Ranks the model is split over (heads, KV heads, intermediate features, vocabulary): every
     # rank runs the same programs on its own weights, collectives between (kernels/collectives).
     tensor_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: an MoE model's experts split whole over those ranks (each
+    # its range of experts) instead of each expert by intermediate features; attention stays
+    # tensor-parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -221,6 +227,17 @@ class RuntimeConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return self.max_model_len // self.block_size
+
+    def rank_arch(self, arch: ModelArch) -> ModelArch:
+        """One rank's share of `arch` (`ModelArch.for_rank`); ValueError naming what does not
+        split."""
+        return arch.for_rank(self.tensor_parallel_size, expert_parallel=self.enable_expert_parallel)
+
+    def rank(self, index: int) -> Rank:
+        """Rank `index` of the configuration's ranks, as weights are sliced for it."""
+        return Rank(
+            index, self.tensor_parallel_size, is_expert_parallel=self.enable_expert_parallel
+        )
 
     @property
     def total_kv_blocks(self) -> int:

@@ -93,7 +93,7 @@ class CompiledModel:
         self.weights = weights
         self.programs = dict(programs)
         self.kv = KVCache(
-            arch.for_rank(config.tensor_parallel_size),  # the rank's KV heads
+            config.rank_arch(arch),  # the rank's KV heads
             num_blocks=num_kv_blocks or config.total_kv_blocks,
             block_size=config.block_size,
             dtype=config.kv_torch_dtype,

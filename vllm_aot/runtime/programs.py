@@ -125,7 +125,7 @@ def layer_spec(arch: ModelArch, config: RuntimeConfig) -> LayerSpec:
     """A rank's layer parameters (`ModelArch.for_rank`), each linear in the weight format the
     configuration gives it."""
     dense = dense_format(config.torch_dtype).name
-    local = arch.for_rank(config.tensor_parallel_size)
+    local = config.rank_arch(arch)
     return family_of(arch).layer_spec(local, dense).with_formats(config.linear_format)
 
 
@@ -157,7 +157,7 @@ class Layer(nn.Module):
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind) -> None:
         super().__init__()
-        self.arch = arch.for_rank(config.tensor_parallel_size)
+        self.arch = config.rank_arch(arch)
         self.reduce = _reduce(config)
         self.decoder_layer = family_of(arch).decoder_layer
         self.spec = layer_spec(arch, config)
@@ -289,7 +289,7 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
         n = key.size * key.num_positions  # tokens
         rows = key.size
         bs = config.block_size
-        local = arch.for_rank(config.tensor_parallel_size)
+        local = config.rank_arch(arch)
         pool = (2, bs, local.num_kv_heads, local.head_dim)  # dim 0 is dynamic: the pool's size
         weights = layer_spec(arch, config).example_tensors(dt)
         ctx_blocks = key.context_tokens // bs

@@ -58,7 +58,8 @@ class RegistryPick:
     @property
     def extra_fields(self) -> dict[str, Any]:
         """What `--additional-config` must carry besides the three shape flags."""
-        flagged = {key for _, key in _SHAPE_FLAGS.values()} | {"tensor_parallel_size"}
+        flagged = {key for _, key in _SHAPE_FLAGS.values()}
+        flagged |= {"tensor_parallel_size", "enable_expert_parallel"}  # vLLM's own flags
         return {k: v for k, v in self.runtime.items() if k not in flagged}
 
 
