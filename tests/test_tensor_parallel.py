@@ -96,13 +96,17 @@ def test_smollm2_on_three_ranks(default_model_dir, quantization):
 
 
 @pytest.mark.slow
-def test_compiled_programs_call_the_collectives(tiny_model_dirs):
-    """AOTInductor programs reach the installed communicator through torch's dispatcher."""
-    model_dir = tiny_model_dirs("llama")
+@pytest.mark.parametrize(("family", "is_expert_parallel"), [("llama", False), ("mixtral", True)])
+def test_compiled_programs_call_the_collectives(tiny_model_dirs, family, is_expert_parallel):
+    """AOTInductor programs reach the installed communicator through torch's dispatcher (and,
+    expert-parallel, the experts kernel with the rank's first expert among their inputs: one
+    program for both ranks; ~50 s here)."""
+    model_dir = tiny_model_dirs(family)
     fields = tiny_config(backend="inductor", max_num_seqs=1).to_dict()
     fields.update(decode_context_buckets=(256,))
     one = _single(model_dir, {**fields, "backend": "eager"})
-    ranks = run_ranks(_run, 2, model_dir, {**fields, "tensor_parallel_size": 2})
+    split = {"tensor_parallel_size": 2, "enable_expert_parallel": is_expert_parallel}
+    ranks = run_ranks(_run, 2, model_dir, {**fields, **split})
     assert [r["greedy"] for r in ranks] == [one["greedy"]] * 2
 
 
