@@ -23,7 +23,15 @@ import torch
 
 from vllm_aot.models import layers  # through the module: a fault planted in one (tests) reaches all
 from vllm_aot.models.config import ModelArch, decoder_arch_from_hf
-from vllm_aot.models.family import Attend, Family, LayerParams, LayerSpec, Norm, Observe
+from vllm_aot.models.family import (
+    Attend,
+    DecoderLayer,
+    Family,
+    LayerParams,
+    LayerSpec,
+    Norm,
+    Observe,
+)
 from vllm_aot.models.layers import QKV
 from vllm_aot.models.linear import Linear, Shard
 
@@ -136,16 +144,30 @@ def attend_and_mlp(
     return x + out, k, qkv.v
 
 
-def decoder_layer(
-    x: torch.Tensor,
-    *,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    attend: Attend,
-    params: LayerParams,
-    observe: Observe,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qkv = project_qkv(x, params, observe)
-    return attend_and_mlp(x, qkv, rope=rope, attend=attend, params=params, observe=observe)
+def pre_norm_layer(
+    project: Callable[[torch.Tensor, LayerParams, Observe], QKV] = project_qkv,
+    mlp: Callable[[torch.Tensor, LayerParams], torch.Tensor] = mlp,
+) -> DecoderLayer:
+    """The pre-norm decoder layer with its q/k/v projection (`project`: Qwen3's adds q/k norms)
+    and its MLP block (`mlp`: a MoE family's experts) given; every Llama-like family is one."""
+
+    def decoder_layer(
+        x: torch.Tensor,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: Attend,
+        params: LayerParams,
+        observe: Observe,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = project(x, params, observe)
+        return attend_and_mlp(
+            x, qkv, rope=rope, attend=attend, params=params, observe=observe, mlp=mlp
+        )
+
+    return decoder_layer
+
+
+decoder_layer = pre_norm_layer()
 
 
 FAMILY = Family(

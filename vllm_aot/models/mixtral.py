@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from vllm_aot.models import llama, qwen3_moe
 from vllm_aot.models.config import ModelArch, decoder_arch_from_hf, with_experts
 from vllm_aot.models.experts import experts_of
-from vllm_aot.models.family import Attend, Family, LayerParams, LayerSpec, Observe
+from vllm_aot.models.family import Family, LayerSpec
 
 EXPERTS_MODULES = ("block_sparse_moe", "mlp")
 PROJECTIONS = ("w1", "w3", "w2")
@@ -48,18 +46,7 @@ def layer_spec(arch: ModelArch, fmt: str) -> LayerSpec:
     return LayerSpec((*llama.attention_params(arch, fmt), experts))
 
 
-def decoder_layer(
-    x: torch.Tensor,
-    *,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    attend: Attend,
-    params: LayerParams,
-    observe: Observe,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qkv = llama.project_qkv(x, params, observe)
-    return llama.attend_and_mlp(
-        x, qkv, rope=rope, attend=attend, params=params, observe=observe, mlp=qwen3_moe.sparse_moe
-    )
+decoder_layer = llama.pre_norm_layer(mlp=qwen3_moe.sparse_moe)
 
 
 FAMILY = Family(

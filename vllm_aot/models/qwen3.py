@@ -13,7 +13,7 @@ import torch
 
 from vllm_aot.models import layers, llama, qwen2
 from vllm_aot.models.config import ModelArch, decoder_arch_from_hf
-from vllm_aot.models.family import Attend, Family, LayerParams, LayerSpec, Norm, Observe
+from vllm_aot.models.family import Family, LayerParams, LayerSpec, Norm, Observe
 from vllm_aot.models.layers import QKV
 
 
@@ -46,16 +46,7 @@ def project_qkv(x: torch.Tensor, params: LayerParams, observe: Observe) -> QKV:
     )
 
 
-def decoder_layer(
-    x: torch.Tensor,
-    *,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    attend: Attend,
-    params: LayerParams,
-    observe: Observe,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qkv = project_qkv(x, params, observe)
-    return llama.attend_and_mlp(x, qkv, rope=rope, attend=attend, params=params, observe=observe)
+decoder_layer = llama.pre_norm_layer(project=project_qkv)
 
 
 FAMILY = Family(

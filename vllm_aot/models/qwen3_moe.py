@@ -26,7 +26,7 @@ import torch
 from vllm_aot.models import llama, qwen2, qwen3
 from vllm_aot.models.config import ModelArch, decoder_arch_from_hf, with_experts
 from vllm_aot.models.experts import experts_of
-from vllm_aot.models.family import Attend, Family, LayerParams, LayerSpec, Observe
+from vllm_aot.models.family import Family, LayerParams, LayerSpec
 
 EXPERTS_MODULES = ("mlp",)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -69,18 +69,7 @@ def sparse_moe(h: torch.Tensor, params: LayerParams) -> torch.Tensor:
     return params.experts("experts", h)
 
 
-def decoder_layer(
-    x: torch.Tensor,
-    *,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    attend: Attend,
-    params: LayerParams,
-    observe: Observe,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qkv = qwen3.project_qkv(x, params, observe)
-    return llama.attend_and_mlp(
-        x, qkv, rope=rope, attend=attend, params=params, observe=observe, mlp=sparse_moe
-    )
+decoder_layer = llama.pre_norm_layer(project=qwen3.project_qkv, mlp=sparse_moe)
 
 
 FAMILY = Family(
