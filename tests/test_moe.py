@@ -24,6 +24,7 @@ from tests.helpers import tiny_config
 from tests.test_models import (  # the decoder layer's test, run here on the MoE families
     TIGHT,
     OurLayer,
+    hf_config,
     hidden_states,
     test_decoder_layer_matches_hf_module_by_module,  # noqa: F401
 )
@@ -267,19 +268,9 @@ def test_a_rank_holds_its_experts_and_names_the_first(tiny_model_dirs):
 
 
 def hf_moe_config(architecture: str, **fields) -> dict:
-    return {
-        "architectures": [architecture],
-        "vocab_size": 100,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        **fields,
-    }
+    """`test_models.hf_config` with both MoE families' expert fields."""
+    experts = dict(moe_intermediate_size=32, num_experts=8, num_local_experts=8)
+    return hf_config(architecture, **{**experts, "num_experts_per_tok": 2, **fields})
 
 
 @pytest.mark.parametrize(
