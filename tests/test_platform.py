@@ -10,7 +10,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
-from vllm_aot.plugin.parallel import machine_id, rank_cores, shm_ident
+from vllm_aot.plugin.parallel import machine_id, rank_cores, shm_ident, watch_rank0
 from vllm_aot.plugin.platform import AotPlatform
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, SETUP_HOOK, with_setup_hook
 
@@ -292,3 +292,29 @@ def test_a_machines_cores_are_split_among_its_ranks():
     assert rank_cores([3, 0, 1, 2], 1, 2) == (2, 3)
     assert rank_cores([0, 1], 0, 1) == (0, 1)
     assert rank_cores([0], 1, 2) == (0,)  # fewer cores than ranks: shared
+
+
+def test_a_rank_whose_rank_0_is_gone_exits(tmp_path):
+    """A follower node's rank watches rank 0's rendezvous and ends its process once it stops
+    answering (vLLM's follower would otherwise wait for the next step forever)."""
+    import socket
+    import subprocess
+    import sys
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    code = (
+        "import time; from vllm_aot.plugin.parallel import watch_rank0; "
+        f"watch_rank0('tcp://127.0.0.1:{port}', 1, interval=0.2, misses=3); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # rank 0 answers: it keeps running
+            child.wait(timeout=2)
+        listener.close()
+        assert child.wait(timeout=30) == 1
+        assert "lost rank 0's rendezvous" in child.stderr.read()
+    finally:
+        child.kill()
+    assert watch_rank0("tcp://127.0.0.1:1", 0) is None, "rank 0 watches no one"
+    assert watch_rank0("file:///tmp/x", 1) is None, "one machine: vLLM's executor watches"

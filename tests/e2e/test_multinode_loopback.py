@@ -4,10 +4,12 @@ equal one rank's, and a rank that dies takes both nodes down."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,18 +24,16 @@ EXIT_TIMEOUT_S = 90
 def node_command(model_dir, *, node_rank: int, master_port: int, port: int) -> list[str]:
     """`vllm-aot serve` for one of two nodes, as docs/parallelism.md tells users to run it."""
     command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model_dir)]
-    command += ["--backend", "eager", "--port", str(port), *SHAPE_ARGS]
-    command += ["--served-model-name", "tiny"]
+    command += ["--backend", "eager", *SHAPE_ARGS, "--served-model-name", "tiny"]
     command += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node_rank)]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    return command if node_rank == 0 else [*command, "--headless"]
+    return [*command, "--port", str(port)] if node_rank == 0 else [*command, "--headless"]
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tiny_model_dirs, tmp_path_factory):
-    """(URL, head process, follower process, head log, follower log)."""
-    model_dir = tiny_model_dirs("llama")
-    logs = tmp_path_factory.mktemp("nodes")
+@contextlib.contextmanager
+def started_nodes(model_dir, logs: Path):
+    """(URL, head process, follower process, head log, follower log) of two nodes on loopback,
+    both stopped afterwards."""
     port, master_port = free_port(), free_port()
     follower_log = open(logs / "node1.log", "wb")  # noqa: SIM115 -- closed below
     follower = subprocess.Popen(
@@ -41,6 +41,7 @@ def two_nodes(tiny_model_dirs, tmp_path_factory):
         env={**os.environ, **SERVER_ENV},
         stdout=follower_log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # as on another machine: no signal of the head's reaches it
     )
     head_command = node_command(model_dir, node_rank=0, master_port=master_port, port=port)
     try:
@@ -53,6 +54,12 @@ def two_nodes(tiny_model_dirs, tmp_path_factory):
         follower.kill()
         follower.wait()
         follower_log.close()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_model_dirs, tmp_path_factory):
+    with started_nodes(tiny_model_dirs("llama"), tmp_path_factory.mktemp("nodes")) as nodes:
+        yield nodes
 
 
 def test_two_nodes_answer_what_one_rank_computes(two_nodes, tiny_model_dirs):
@@ -90,3 +97,15 @@ def test_a_rank_that_dies_takes_both_nodes_down(two_nodes):
     _, alive = psutil.wait_procs(everyone, timeout=EXIT_TIMEOUT_S)
     assert not alive, f"still running {EXIT_TIMEOUT_S} s after a rank died: {alive}"
     assert "died unexpectedly" in follower_log.read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_the_follower_leaves_when_the_head_stops(tiny_model_dirs, tmp_path):
+    """vLLM's follower would wait for the head's next step forever; its rank notices rank 0's
+    rendezvous is gone and exits, and the follower's executor shuts the node down."""
+    with started_nodes(tiny_model_dirs("llama"), tmp_path) as (_, head, follower, _, log):
+        everyone = [follower, *follower.children(recursive=True)]
+        head.terminate()
+        _, alive = psutil.wait_procs(everyone, timeout=EXIT_TIMEOUT_S)
+        assert not alive, f"the follower still runs {EXIT_TIMEOUT_S} s after the head stopped"
+        assert "lost rank 0's rendezvous" in log.read_text(errors="replace")

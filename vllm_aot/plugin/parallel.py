@@ -4,6 +4,10 @@ worker joins vLLM's process groups here, and our programs' collectives
 (`kernels/collectives.py`) go through vLLM's tensor-parallel group: its CPU communicator, shared
 memory when all the group's ranks are on one machine, gloo when they are not (`shm_ident`).
 
+A rank other than 0 watches rank 0's rendezvous (`watch_rank0`): vLLM's workers on a follower
+node wait for the head's next step forever, so when the head is gone (stopped, or its machine
+lost) the rank exits, and its node's executor, seeing a worker die, shuts down.
+
 Each rank takes its own share of the cores it was given (the engine's affinity, or on Ray its
 node's: what that node's `ray start` was given), split evenly among the ranks there by local
 rank, so the ranks' OpenMP teams never contend for a core.
@@ -15,6 +19,8 @@ import hashlib
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +94,42 @@ def _ranks_on_this_machine(parallel) -> int:
     return parallel.local_world_size
 
 
+def watch_rank0(
+    init_method: str, rank: int, *, interval: float = 2.0, misses: int = 5
+) -> threading.Thread | None:
+    """On a rank other than 0 of a TCP rendezvous (`tcp://host:port`: several nodes, or Ray),
+    a daemon thread that connects to rank 0's store every `interval` seconds and ends this
+    process when `misses` attempts in a row fail: rank 0, which hosts the store for the
+    engine's life, is gone. None where there is nothing to watch."""
+    if rank == 0 or not init_method.startswith("tcp://"):
+        return None
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+
+    def watch() -> None:
+        missed = 0
+        while missed < misses:
+            time.sleep(interval)
+            try:
+                with socket.create_connection((host, int(port)), timeout=interval):
+                    missed = 0
+            except OSError:
+                missed += 1
+        logger.error(
+            "vllm-aot: rank %d lost rank 0's rendezvous at %s:%s for %.0f s (its node is gone); "
+            "exiting",
+            rank,
+            host,
+            port,
+            interval * misses,
+        )
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="vllm-aot-rank0-watch", daemon=True)
+    thread.start()
+    logger.info("vllm-aot: rank %d watches rank 0's rendezvous at %s:%s", rank, host, port)
+    return thread
+
+
 def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | None) -> RankPlace:
     """Join vLLM's process groups when there is more than one rank (gloo, as vLLM's CPU platform
     does), install its tensor-parallel group as our programs' communicator, and pin this
@@ -110,6 +152,9 @@ def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | No
         parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     )
     collectives.install(VllmTensorParallel(get_tp_group()))
+    # vLLM meets at the master's address across nodes, whatever the worker was given.
+    multinode = f"tcp://{parallel.master_addr}:{parallel.master_port}"
+    watch_rank0(multinode if parallel.nnodes > 1 else init_method, rank)
     mine = rank_cores(cores, local_rank, _ranks_on_this_machine(parallel))
     os.sched_setaffinity(0, mine)
     place = RankPlace(get_tensor_model_parallel_rank(), parallel.tensor_parallel_size, mine)
