@@ -51,11 +51,23 @@ def run_offline_llm(spec: dict, log: Path, timeout: float) -> dict:
 
 
 def main(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     start = time.monotonic()
     llm = LLM(model=spec["model"], **spec["engine"])
     started = time.monotonic() - start
+    try:
+        return _results(llm, spec, started)
+    finally:
+        # The engine stopped here, not by the interpreter's teardown: left to it, a process
+        # under load once in a few runs aborted after printing its result ("terminate called
+        # without an active exception": a C++ thread still joinable while it was torn down).
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _results(llm, spec: dict, started: float) -> dict:
+    from vllm import SamplingParams
+
     if "sentences" in spec:
         prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["sentences"]]
         outputs = llm.embed(prompts, use_tqdm=False)
