@@ -318,3 +318,10 @@ def test_a_rank_whose_rank_0_is_gone_exits(tmp_path):
         child.kill()
     assert watch_rank0("tcp://127.0.0.1:1", 0) is None, "rank 0 watches no one"
     assert watch_rank0("file:///tmp/x", 1) is None, "one machine: vLLM's executor watches"
+
+
+def test_ranks_sharing_a_core_are_refused(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ValueError, match=r"2 tensor-parallel ranks on this machine with 1 cores"):
+        engine_config(tiny_model_dir, tensor_parallel_size=2)
+    engine_config(tiny_model_dir)  # one rank shares nothing

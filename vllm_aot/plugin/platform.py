@@ -45,6 +45,7 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append(f"architecture {archs} (supported: {', '.join(supported_architectures())})")
     if parallel.pipeline_parallel_size > 1:
         problems.append("pipeline parallelism (supported: --tensor-parallel-size)")
+    problems += _refuse_shared_cores(parallel)
     if parallel.data_parallel_size > 1:
         problems.append("vLLM's data parallelism (use vllm-aot serve --data-parallel-size)")
     problems += speculative_problems(vllm_config.speculative_config)
@@ -82,6 +83,23 @@ def _refuse_unsupported(vllm_config) -> None:
         )
     if problems:
         raise ValueError("vllm-aot does not support " + "; ".join(problems))
+
+
+def _refuse_shared_cores(parallel) -> list[str]:
+    """Ranks of one machine each need a core of their own (`plugin/parallel.py` splits the
+    engine's cores among them): ranks sharing cores wait in every collective for one another's
+    descheduled threads (SmolLM2 at TP=3 on 2 cores: 2 s a token). Ray places its ranks on
+    nodes only once the engine runs; each node declares its own ranks."""
+    if parallel.world_size == 1 or parallel.distributed_executor_backend == "ray":
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= parallel.local_world_size:
+        return []
+    return [
+        f"{parallel.local_world_size} tensor-parallel ranks on this machine with "
+        f"{len(cores)} cores (supported: a core per rank at least; this engine may use cores "
+        f"{','.join(map(str, cores))})"
+    ]
 
 
 def _refuse_runner(model_config, archs: list[str]) -> list[str]:
