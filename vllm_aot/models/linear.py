@@ -113,9 +113,14 @@ def split_even(tensor: torch.Tensor, dim: int, rank: Rank, what: str) -> torch.T
     return tensor.narrow(dim, rank.index * (size // rank.size), size // rank.size)
 
 
+def vocab_rows_per_rank(vocab_size: int, num_ranks: int) -> int:
+    """The embedding or LM-head rows each rank holds under `Shard.VOCAB` (the last padded)."""
+    return -(-vocab_size // num_ranks)
+
+
 def _split_vocab(tensor: torch.Tensor, rank: Rank) -> torch.Tensor:
     """Rows [index * per_rank, (index + 1) * per_rank), zero rows past the vocabulary."""
-    per_rank = -(-tensor.shape[0] // rank.size)
+    per_rank = vocab_rows_per_rank(tensor.shape[0], rank.size)
     part = tensor[rank.index * per_rank : (rank.index + 1) * per_rank]
     padding = part.new_zeros(per_rank - part.shape[0], *part.shape[1:])
     return torch.cat([part, padding]) if padding.shape[0] else part

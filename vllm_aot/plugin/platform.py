@@ -90,7 +90,7 @@ def _refuse_shared_cores(parallel) -> list[str]:
     engine's cores among them): ranks sharing cores wait in every collective for one another's
     descheduled threads (SmolLM2 at TP=3 on 2 cores: 2 s a token). Ray places its ranks on
     nodes only once the engine runs; each node declares its own ranks."""
-    if parallel.world_size == 1 or parallel.distributed_executor_backend == "ray":
+    if parallel.world_size == 1 or parallel.use_ray:
         return []
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= parallel.local_world_size:

@@ -44,7 +44,7 @@ from vllm_aot.models.layers import (
     rms_norm,
     verify_attention,
 )
-from vllm_aot.models.linear import LM_HEAD
+from vllm_aot.models.linear import LM_HEAD, vocab_rows_per_rank
 from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import LayerWeights
 from vllm_aot.runtime.config import RuntimeConfig
@@ -127,11 +127,6 @@ def layer_spec(arch: ModelArch, config: RuntimeConfig) -> LayerSpec:
     dense = dense_format(config.torch_dtype).name
     local = config.rank_arch(arch)
     return family_of(arch).layer_spec(local, dense).with_formats(config.linear_format)
-
-
-def head_rows(arch: ModelArch, config: RuntimeConfig) -> int:
-    """The LM head rows a rank holds: its vocabulary range (`Shard.VOCAB`, the last padded)."""
-    return -(-arch.vocab_size // config.tensor_parallel_size)
 
 
 def _reduce(config: RuntimeConfig):
@@ -324,7 +319,9 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
     return (
         torch.zeros(rows * key.num_positions, arch.hidden_size, dtype=dt),
         torch.ones(arch.hidden_size, dtype=dt),
-        *lm_head.example(head_rows(arch, config), arch.hidden_size),
+        *lm_head.example(
+            vocab_rows_per_rank(arch.vocab_size, config.tensor_parallel_size), arch.hidden_size
+        ),
         torch.ones(rows),
         torch.zeros(rows, dtype=i64),
         torch.ones(rows),
