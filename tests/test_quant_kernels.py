@@ -1,6 +1,7 @@
 """The quantised-weight kernels (`kernels/linear_<format>.cpp`) against their formats' reference
 (`dequantize` then a float32 linear), on every row-count path, on the best instruction set this
-CPU has and on each lower one forced in a child process (`VLLM_AOT_KERNEL_ISA=avx512`, `avx2`).
+CPU has and on each lower one forced in a child process (`VLLM_AOT_KERNEL_ISA=avx512_vnni`,
+`avx512`, `avx2`).
 
 The tolerance, and why: the float32 kernels multiply the activations as they are with float32
 sums (no int8 activation blocks: `kernels/quant.h`), so up to kMaxDirectRows rows the result is
@@ -11,8 +12,11 @@ bits, `kernels/quant_avx2_fixed.h`). Each x moves by at most 2^-15 of its block'
 which adds `2^-15 * (blockmax|x| @ |W|.T)`. Beyond kMaxDirectRows the
 weights are dequantised for aten's GEMM: to float32, or to bfloat16 for bfloat16 activations
 where the CPU multiplies bfloat16 natively (each weight moves by at most 2^-9 of itself:
-`2^-8 * (|x| @ |W|.T)` covers it). Outputs in bfloat16 add their own rounding
-(2^-8 of the value).
+`2^-8 * (|x| @ |W|.T)` covers it). On CPUs with AMX, bfloat16 activations up to kMaxAmxRows
+rows (but fewer than 4 of a nibble format, which take the VNNI kernel) meet the weights
+dequantised tile by tile as two bfloat16 parts (`kernels/quant_amx.h`: each weight within 2^-16
+of itself, `2^-15 * (|x| @ |W|.T)`), and a row's result is the same in any such batch. Outputs in
+bfloat16 add their own rounding (2^-8 of the value).
 """
 
 from __future__ import annotations
@@ -36,12 +40,19 @@ FORMATS = tuple(QUANTIZED_KERNELS)
 ROWS = (1, 2, 3, 4, 5, 8, 17, 32, 33, 300)
 MAX_DIRECT_ROWS = 8  # `kernels/quant.h`: kMaxDirectRows
 MAX_DIRECT_ROWS_AVX2_FIXED = 32  # kMaxDirectRowsAvx2Fixed
+MIN_AMX_ROWS, MAX_AMX_ROWS = 4, 32  # kMinAmxRows (formats with a VNNI kernel), kMaxAmxRows
 # (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
 SHAPES = ((7, 96), (33, 576), (65, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
 # The formats whose bfloat16 activations become fixed point, per instruction set (`Format` in
 # `kernels/quant.h`: multiply_bf16).
-FIXED_POINT = {"avx2": ("q8_0", "q4_0", "q4_1"), "avx512": (), "avx512_vnni": ("q4_0", "q4_1")}
+# With AMX, only fewer than MIN_AMX_ROWS rows (the VNNI kernel's) are fixed point.
+FIXED_POINT = {
+    "avx2": ("q8_0", "q4_0", "q4_1"),
+    "avx512": (),
+    "avx512_vnni": ("q4_0", "q4_1"),
+    "amx": ("q4_0", "q4_1"),
+}
 
 
 def op(fmt: str):
@@ -57,6 +68,7 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
     fixed_point = fmt in FIXED_POINT[isa] and dtype == torch.bfloat16
     direct_rows = MAX_DIRECT_ROWS_AVX2_FIXED if fixed_point and isa == "avx2" else MAX_DIRECT_ROWS
     bf16_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    amx_rows = MAX_AMX_ROWS if isa == "amx" and dtype == torch.bfloat16 else 0
     for rows in ROWS:
         # Inputs of different sizes, so blocks have different scales.
         spread = torch.rand(in_features, generator=g)
@@ -65,17 +77,20 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
         assert got.dtype == dtype and got.shape == (rows, out_features), (fmt, rows)
         want = F.linear(x.float(), weight)
         magnitude = x.float().abs() @ weight.abs().T
-        gemm_bf16 = rows > direct_rows and dtype == torch.bfloat16
-        rounding = (2.0**-8 if gemm_bf16 else 1e-5) * magnitude
-        if fixed_point and rows <= direct_rows:
+        amx = rows <= amx_rows and not (rows < MIN_AMX_ROWS and fixed_point)
+        gemm_bf16 = rows > direct_rows and dtype == torch.bfloat16 and not amx
+        rounding = (2.0**-8 if gemm_bf16 else 2.0**-15 if amx else 1e-5) * magnitude
+        if fixed_point and rows <= direct_rows and not amx:
             # each x moved by up to 2^-15 of its block's largest |x|
             largest = x.float().abs().reshape(rows, -1, 32).amax(-1, keepdim=True)
             rounding += 2.0**-15 * largest.expand(-1, -1, 32).reshape(rows, -1) @ weight.abs().T
         tolerance = rounding + bf16_out * want.abs()
         error = (got.float() - want).abs()
         assert (error <= tolerance).all(), f"{fmt} {rows}x{in_features}: {error - tolerance}"
-        if rows <= direct_rows:
-            alone = op(fmt)(x[rows // 2 :][:1], *stored)
+        if rows <= direct_rows or amx:
+            # AMX's rows against a batch of MIN_AMX_ROWS (fewer rows may be VNNI's)
+            probe = x[rows // 2 :][:1].repeat(MIN_AMX_ROWS if amx else 1, 1)
+            alone = op(fmt)(probe, *stored)
             assert torch.equal(alone[0], got[rows // 2]), f"{fmt}: row depends on the batch"
 
 
@@ -110,10 +125,12 @@ def _isa_levels() -> list[str]:
         levels.append("avx512")
         if "avx512_vnni" in flags:
             levels.append("avx512_vnni")
+            if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+                levels.append("amx")
     return levels
 
 
-@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+@pytest.mark.parametrize("cap", ["avx2", "avx512", "avx512_vnni"])
 def test_each_lower_instruction_set_matches_too(cap):
     """The same checks in a child process capped at a lower instruction set (AVX2 is the floor
     every CPU with our kernels runs; AVX-512 without BF16 is a Skylake's or a Zen 3's lot)."""

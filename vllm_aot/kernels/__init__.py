@@ -13,7 +13,9 @@
   `quant_avx512.h`); for bfloat16 activations of the block formats on AVX2, the codes as int16
   times the activations as 16-bit fixed point per block (`quant_avx2_fixed.h`), and of the 4-bit
   formats on AVX512-VNNI, the codes as bytes times 15-bit fixed point (`quant_avx512_vnni.h`).
-  More rows (prefill) dequantise the
+  On CPUs with AMX, bfloat16 activations of 4-32 rows (q8_0 and int8 from one row) meet each
+  block dequantised once into two bfloat16 tiles (the weight to 2^-16), AMX's tile multiply
+  covering 16 rows at once (`quant_amx.h`): 4-32 rows cost 1.4-1.9x one row. More rows (prefill) dequantise the
   weights in chunks for aten's GEMM (`quant.cpp`). A row's result never depends on the other
   rows (`quant.h`).
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
@@ -42,9 +44,10 @@ Each `.cpp` file here defines its ops, their CPU implementation and their shape 
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
 folder, built with the machine's C++ compiler (the one Inductor uses) for AVX2 + FMA. Faster
 instruction sets are functions compiled for their own target (`__attribute__((target))`) and
-chosen at run time from the CPU's features: the quantised linears take AVX-512 (with VNNI where
-the CPU has it), else AVX2; `VLLM_AOT_KERNEL_ISA=avx512` or `avx2` (read once per process, by the
-library) caps the choice, and `vllm_aot::quant_isa()` names the path taken. It is installed once per
+chosen at run time from the CPU's features: the quantised linears take AMX (where the CPU has
+it and Linux grants the tile state), AVX-512 (with VNNI where the CPU has it), else AVX2;
+`VLLM_AOT_KERNEL_ISA=avx512_vnni`, `avx512` or `avx2` (read once per process, by the library)
+caps the choice, and `vllm_aot::quant_isa()` names the path taken. It is installed once per
 machine in `<cache root>/kernels/<build digest>/` (`library_dir()`; the digest covers the
 sources, flags, torch version and machine: `build_fingerprint()`) with a record (`library.json`:
 the fingerprint and the library's sha256) written before the directory is renamed into place,

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "quant.h"
+#include "quant_amx.h"
 #include "quant_avx2.h"
 #include "quant_avx512.h"
 
@@ -19,7 +20,8 @@ struct Int8 {
 };
 
 const Format kInt8{{avx2::multiply<Int8>, avx512::multiply<Int8>},
-                  {nullptr, nullptr, nullptr},
+                  {nullptr, nullptr, nullptr,
+                   amx::multiply<Int8>},
                   avx2::dequantize<Int8>,
                   avx512::dequantize_bf16<Int8>};
 

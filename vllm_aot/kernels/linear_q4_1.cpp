@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "quant.h"
+#include "quant_amx.h"
 #include "quant_avx2.h"
 #include "quant_avx2_fixed.h"
 #include "quant_avx512.h"
@@ -20,7 +21,8 @@ struct Q4_1 {
 };
 
 const Format kQ4_1{{avx2::multiply<Q4_1>, avx512::multiply<Q4_1>},
-                  {avx2_fixed::multiply<Q4_1>, nullptr, avx512_vnni::multiply<Q4_1>},
+                  {avx2_fixed::multiply<Q4_1>, nullptr, avx512_vnni::multiply<Q4_1>,
+                   amx::multiply<Q4_1>},
                   avx2::dequantize<Q4_1>,
                   avx512::dequantize_bf16<Q4_1>};
 

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "quant.h"
+#include "quant_amx.h"
 #include "quant_avx2.h"
 #include "quant_avx2_fixed.h"
 #include "quant_avx512.h"
@@ -18,7 +19,8 @@ struct Q8_0 {
 };
 
 const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>},
-                  {avx2_fixed::multiply<Q8_0>, nullptr, nullptr},
+                  {avx2_fixed::multiply<Q8_0>, nullptr, nullptr,
+                   amx::multiply<Q8_0>},
                   avx2::dequantize<Q8_0>,
                   avx512::dequantize_bf16<Q8_0>};
 

@@ -6,8 +6,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/Exception.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -29,12 +32,14 @@ bool has_avx512() {
 Isa choose_isa() {
   const char* forced = std::getenv("VLLM_AOT_KERNEL_ISA");
   const std::string cap = forced ? forced : "";
-  TORCH_CHECK(cap.empty() || cap == "auto" || cap == "avx2" || cap == "avx512",
+  TORCH_CHECK(cap.empty() || cap == "auto" || cap == "avx2" || cap == "avx512" ||
+                  cap == "avx512_vnni",
               "VLLM_AOT_KERNEL_ISA=", cap,
-              " is not supported; supported: auto (the default), avx2, avx512");
+              " is not supported; supported: auto (the default), avx2, avx512, avx512_vnni");
   if (cap == "avx2" || !has_avx512()) return Isa::kAvx2;
   if (cap == "avx512" || !__builtin_cpu_supports("avx512vnni")) return Isa::kAvx512;
-  return Isa::kAvx512Vnni;
+  if (cap == "avx512_vnni" || !amx::available()) return Isa::kAvx512Vnni;
+  return Isa::kAmx;
 }
 
 // Many rows: chunks of weight rows dequantised (in parallel) into a buffer and multiplied by
@@ -65,15 +70,32 @@ void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& for
   if (!result.is_same(out)) out.copy_(result);
 }
 
+// AMX with bfloat16 tiles (and the AVX-512 BF16 conversions the kernel uses), and Linux let this
+// process use the tile state.
+bool request_tiles() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx = (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
+  if (!amx || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
 std::string quant_isa() {
   switch (isa()) {
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
-    default: return "avx512_vnni";
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    default: return "amx";
   }
 }
 
 }  // namespace
+
+bool amx::available() {
+  static const bool granted = request_tiles();
+  return granted;
+}
 
 Isa isa() {
   static const Isa chosen = choose_isa();
@@ -93,8 +115,17 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format) {
   if (m == 0 || w.n == 0) return out;
   at::Tensor out2 = out.view({m, w.n});
   const Isa chosen = isa();
+  // AMX for up to kMaxAmxRows rows of whole blocks, but fewer than kMinAmxRows take the format's
+  // VNNI kernel where it has one (it reads the codes as bytes, not widened: q4_0, q4_1).
+  const bool vnni_rows = m < kMinAmxRows && format.multiply_bf16[static_cast<int>(Isa::kAvx512Vnni)];
+  const bool tiles = chosen == Isa::kAmx && !vnni_rows && m <= kMaxAmxRows && w.k % kBlock == 0;
+  const Isa path = chosen == Isa::kAmx && !tiles ? Isa::kAvx512Vnni : chosen;
   const MultiplyBf16Fn bf16 =
-      x2.scalar_type() == at::kBFloat16 ? format.multiply_bf16[static_cast<int>(chosen)] : nullptr;
+      x2.scalar_type() == at::kBFloat16 ? format.multiply_bf16[static_cast<int>(path)] : nullptr;
+  if (tiles && bf16 != nullptr) {
+    bf16(w, x2.data_ptr<c10::BFloat16>(), m, out2);
+    return out;
+  }
   const int64_t direct =
       bf16 != nullptr && chosen == Isa::kAvx2 ? kMaxDirectRowsAvx2Fixed : kMaxDirectRows;
   if (m > direct) {

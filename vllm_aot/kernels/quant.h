@@ -20,6 +20,9 @@
 //   (`quant_avx2_fixed.h`); of the nibble formats with AVX512-VNNI as 15-bit fixed point, codes
 //   as bytes, `vpdpbusd` (`quant_avx512_vnni.h`); other bfloat16 activations are widened to
 //   float32.
+// - bfloat16 activations on CPUs with AMX, kMinAmxRows to kMaxAmxRows rows (q8_0 and int8 from
+//   one row): each block dequantised once into two bfloat16 tiles in L1 (the weight to 2^-16)
+//   for AMX's tile multiply, 16 rows at once (`quant_amx.h`).
 // - larger m (larger decode batches, prefill): chunks of weight rows are dequantised (float32,
 //   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM
 //   (`quant.cpp`).
@@ -66,13 +69,20 @@ constexpr int64_t kMaxDirectRows = 8;
 // [3072, 576] at 16 rows 0.69 against 0.95 ms, at 32 rows 1.36 against 1.36; [576, 1536] at 32
 // rows 0.53 against 0.61 ms; q8_0 0.77-0.85x).
 constexpr int64_t kMaxDirectRowsAvx2Fixed = 32;
+// Up to kMaxAmxRows bfloat16 rows, AMX's tiles where the CPU has them (`quant_amx.h`): a work
+// item's weight tiles meet every row in tile multiplies of 16 rows. Fewer than kMinAmxRows rows
+// of a format with a VNNI kernel (q4_0, q4_1) take that: it reads the codes as bytes where AMX
+// widens them (SmolLM2's q4_1 layers: 2 rows 0.23 ms VNNI against 0.32 AMX, 4 rows 0.35
+// against 0.32). q8_0 and int8, which have none, take AMX from one row.
+constexpr int64_t kMinAmxRows = 4, kMaxAmxRows = 32;
 
 // The kernels' instruction set: AVX2 + FMA (the floor), AVX-512, AVX-512 with VNNI's byte dot
-// products (`quant_avx512_vnni.h`).
-enum class Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
+// products (`quant_avx512_vnni.h`), and on top of those AMX's bfloat16 tiles for two or more
+// bfloat16 rows (`quant_amx.cpp`).
+enum class Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2, kAmx = 3 };
 
-// The best the CPU has, unless `VLLM_AOT_KERNEL_ISA` (avx2, avx512) caps it (read once per
-// process).
+// The best the CPU has, unless `VLLM_AOT_KERNEL_ISA` (avx2, avx512, avx512_vnni) caps it (read
+// once per process).
 Isa isa();
 
 // One stored weight [n, k], whatever its format (unused planes are null).
@@ -96,15 +106,20 @@ using DequantizeBf16Fn = void (*)(const Weights& w, int64_t row0, int64_t rows,
                                   c10::BFloat16* out);
 
 // A format's entry points: its float32 kernel for AVX2 and AVX-512; its bfloat16 ones per
-// instruction set (`Isa`; null where the format has none: then bfloat16 activations are widened
-// for the float32 kernel); its dequantisation to float32 (AVX2) and to bfloat16 (for aten's
+// instruction set (`Isa`; an AMX CPU's single rows take its VNNI entry; null where the format
+// has none: then bfloat16 activations are widened for the float32 kernel); its dequantisation to float32 (AVX2) and to bfloat16 (for aten's
 // bfloat16 GEMM where the CPU multiplies bfloat16 natively).
 struct Format {
   MultiplyFn multiply[2];
-  MultiplyBf16Fn multiply_bf16[3];
+  MultiplyBf16Fn multiply_bf16[4];
   DequantizeFn dequantize;
   DequantizeBf16Fn dequantize_bf16;
 };
+
+namespace amx {
+// The CPU has AMX with bfloat16 tiles and the kernel let this process use them (asked once).
+bool available();
+}  // namespace amx
 
 // y = x @ w.T: x [..., k] float32 or bfloat16 -> [..., n] of x's dtype.
 at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format);
