@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from vllm_aot import kernels
 from vllm_aot.models.formats import ATEN, LINEAR_BF16, WEIGHT_FORMATS
-from vllm_aot.models.layers import PagedKV, decode_attention, quantize_kv
+from vllm_aot.models.layers import PagedKV, decode_attention, quantize_kv, verify_attention
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.runtime.sampler import logprob_stats
 
@@ -81,6 +81,29 @@ def test_decode_attention_matches_reference(dtype, shape):
     want = decode_attention(*case)
     got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION)(*case)
     assert got.dtype == dtype and got.shape == want.shape == (6, heads * dim)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 1, 32)])
+@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_attention_kernel_matches_reference(dtype, pool_dtype, shape):
+    """A verify step's 5 tokens a row (the newest and 4 drafts): each sees its row's context
+    and the row's new keys up to its own, as the SDPA reference does."""
+    heads, kv_heads, dim = shape
+    pool, scales = (dtype, (1.0, 1.0)) if pool_dtype is None else (pool_dtype, (0.5, 2.0))
+    q, k_new, v_new, cache, tables, mask = decode_attention_case(
+        dtype, pool, scales, heads=heads, kv_heads=kv_heads, dim=dim
+    )
+    g = torch.Generator().manual_seed(1)
+    n, rows = 5, tables.shape[0]
+    q = torch.randn(rows * n, heads, dim, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(rows * n, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    case = (q, k_new, v_new, cache, tables, mask)
+    want = verify_attention(*case)
+    got = kernels.decode_attention_fn(kernels.DECODE_ATTENTION, verify=True)(*case)
+    assert got.dtype == dtype and got.shape == want.shape == (rows * n, heads * dim)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 

@@ -19,10 +19,11 @@
   weights in chunks for aten's GEMM (`quant.cpp`). A row's result never depends on the other
   rows (`quant.h`).
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
-  k_scale, v_scale)` (`decode_attention.cpp`): paged attention of one query per row that reads
-  only the row's real context (pools of q's dtype, or fp8 with the layer's scales), where the
-  pure-torch version (`models.layers.decode_attention`, the reference) attends over the whole
-  static context bucket and Inductor's code for it is mostly gathers.
+  k_scale, v_scale)` (`decode_attention.cpp`): paged attention of one query per row (or n, a
+  verify step's newest token and drafts, causal among themselves) that reads only the row's
+  real context (pools of q's dtype, or fp8 with the layer's scales), where the pure-torch
+  versions (`models.layers.decode_attention` and `verify_attention`, the references) attend
+  over the whole static context bucket and Inductor's code for them is mostly gathers.
 - `vllm_aot::moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, use_linear_bf16)`
   (`moe_experts.cpp`): a rank's experts of a sparse MoE block over only the tokens routed to
   them (grouped by expert, gathered, multiplied, weighted and added back), where the pure-torch
@@ -99,7 +100,7 @@ _LIBRARY = "vllm_aot_kernels"
 LIBRARY_FILE = f"{_LIBRARY}.so"  # what torch's builder names it
 RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
-DECODE_ATTENTION = "vllm_aot.decode_attention/2"
+DECODE_ATTENTION = "vllm_aot.decode_attention/3"
 LOGPROB_STATS = "vllm_aot.logprob_stats/1"
 MOE_EXPERTS = "vllm_aot.moe_experts/1"
 TORCH = "torch"
@@ -193,13 +194,14 @@ def experts_kernel(impl: str) -> ExpertsKernel:
     return ExpertsKernel(MOE_EXPERTS, apply)
 
 
-def decode_attention_fn(impl: str):
-    """The function decode programs call for attention (`models.layers.decode_attention`'s
-    signature)."""
+def decode_attention_fn(impl: str, *, verify: bool = False):
+    """The function decode programs (and, with `verify`, verify programs: several new tokens a
+    row) call for attention (`models.layers.decode_attention`'s signature; `verify_attention`'s
+    is the same). The kernel serves both."""
     if impl == TORCH:
-        from vllm_aot.models.layers import decode_attention
+        from vllm_aot.models.layers import decode_attention, verify_attention
 
-        return decode_attention
+        return verify_attention if verify else decode_attention
     load()
     return _kernel_decode_attention
 

@@ -1,4 +1,6 @@
-// Paged decode attention: one query per row against that row's cached keys plus its new key.
+// Paged decode attention: one query per row against that row's cached keys plus its new key, or,
+// for speculative decoding's verify steps, n queries per row (the newest token and its drafts),
+// each against the row's cached keys and, causally, the row's new keys up to its own.
 //
 // Reads only the row's real context (context_lens[r] tokens through its block table), so a
 // static context bucket costs a short sequence nothing but the size of its block-table row.
@@ -7,7 +9,8 @@
 // one query head at a time). Scores,
 // softmax and the weighted sum are float32 whatever the cache dtype: the model's (float32 or
 // bfloat16), or fp8 (e4m3fn, e5m2: elements widened through a table, `fp8.h`, and the layer's
-// per-tensor scales folded into the query for keys and into the sum for values).
+// per-tensor scales folded into the query for keys and into the sum for values). The new keys
+// and values are attended as computed.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -180,17 +183,38 @@ inline void softmax_rows(float* scores, int64_t stride, int64_t group, int64_t n
   }
 }
 
+// The later new values of a query (new tokens 1 .. i of its row, the first being weighted_values'
+// own): out[g * d + c] += p[g][len + j] * value j.
+template <typename T>
+void later_values(const float* probs, int64_t stride, int64_t len, const T* first,
+                  int64_t value_stride, int64_t i, float* out, int64_t group, int64_t d) {
+  for (int64_t j = 1; j <= i; ++j) {
+    const T* v = first + j * value_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const __m256 w = _mm256_set1_ps(probs[g * stride + len + j]);
+      int64_t c = 0;
+      for (; c + 8 <= d; c += 8)
+        _mm256_storeu_ps(out + g * d + c,
+                         _mm256_fmadd_ps(w, load8(v + c), _mm256_loadu_ps(out + g * d + c)));
+      for (; c < d; ++c) out[g * d + c] += probs[g * stride + len + j] * static_cast<float>(v[c]);
+    }
+  }
+}
+
 // T: q, the new K/V and the output (float32 or bfloat16); P: the pools' elements (T, or an fp8
-// type whose elements are key / k_scale and value / v_scale). Work items are (row, KV head):
-// the group's query heads share every key and value read.
+// type whose elements are key / k_scale and value / v_scale). q and the new K/V hold n tokens
+// per row of the block tables (row-major: row, then token); token i of a row sees the row's
+// context and its new tokens 0 .. i. Work items are (row, token, KV head): the group's query
+// heads share every key and value read.
 template <typename T, typename P>
 void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
             const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_tables,
             const at::Tensor& context_lens, float k_scale, float v_scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t queries = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t per_row = queries / block_tables.size(0);  // new tokens per row
   const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
   const int64_t block_size = k_pool.size(1), max_blocks = block_tables.size(1);
-  const int64_t stride = max_blocks * block_size + 1;  // a query head's scores, own key last
+  const int64_t stride = max_blocks * block_size + per_row;  // a query head's scores, new keys last
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const T* qp = q.data_ptr<T>();
   const T* knp = k_new.data_ptr<T>();
@@ -202,19 +226,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   T* op = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * d;  // between positions of a block
   const GroupFns<P, T> fast = group_fns<P, T>(d);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, queries * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Scratch kept by each thread (sized, never cleared: every element read is written first).
     thread_local std::vector<float> qf, qk, acc, scores;
     qf.resize(group * d), qk.resize(group * d), acc.resize(group * d);
     scores.resize(group * stride);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, h = item % kv_heads;
-      const int64_t len = std::min(lens[r], stride - 1);
+      const int64_t qr = item / kv_heads, h = item % kv_heads;  // query row qr = r * n + i
+      const int64_t r = qr / per_row, i = qr % per_row;
+      const int64_t len = std::min(lens[r], stride - per_row);
       const int64_t* table = tables + r * max_blocks;
-      const int64_t own = (r * kv_heads + h) * d;  // the row's new key/value, at t == len
+      // the row's first new key/value (at t == len); new token j's is j * token_stride on
+      const int64_t own = (r * per_row * kv_heads + h) * d;
       const Cached<P> keys{kp + h * d, table, len, block_size, token_stride};
       const Cached<P> values{vp + h * d, table, len, block_size, token_stride};
-      const T* qh = qp + (r * heads + h * group) * d;  // the group's query heads, contiguous
+      const T* qh = qp + (qr * heads + h * group) * d;  // the group's query heads, contiguous
       for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qh[i]) * scale;
       // q . key == (q * k_scale) . stored key
       const float* q_cached = qf.data();
@@ -231,8 +257,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         key_scores_any<P>(q_cached, keys, scores.data(), stride, group, d);
       }
       for (int64_t g = 0; g < group; ++g)
-        scores[g * stride + len] = dot(&qf[g * d], knp + own, d);
-      softmax_rows(scores.data(), stride, group, len);
+        for (int64_t j = 0; j <= i; ++j)
+          scores[g * stride + len + j] = dot(&qf[g * d], knp + own + j * token_stride, d);
+      softmax_rows(scores.data(), stride, group, len + i);
       if (!fast.empty()) {
         for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
           const int64_t n = std::min(kMaxGroup, group - g0);
@@ -242,7 +269,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         weighted_values_any<P, T>(scores.data(), stride, values, v_scale, vnp + own,
                                   acc.data(), group, d);
       }
-      T* dst = op + (r * heads + h * group) * d;
+      later_values(scores.data(), stride, len, vnp + own, token_stride, i, acc.data(), group, d);
+      T* dst = op + (qr * heads + h * group) * d;
       for (int64_t i = 0; i < group * d; ++i) dst[i] = static_cast<T>(acc[i]);
     }
   });
@@ -285,6 +313,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   TORCH_CHECK(q.size(1) % k_new.size(1) == 0, "decode_attention: heads % kv_heads != 0");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "decode_attention: int64 block tables and lengths");
+  TORCH_CHECK(block_tables.size(0) > 0 && q.size(0) % block_tables.size(0) == 0 &&
+                  k_new.size(0) == q.size(0) && context_lens.size(0) == block_tables.size(0),
+              "decode_attention: q and k_new [rows * n, ...] for block tables [rows, ...]");
   const at::Tensor qc = q.contiguous(), kn = k_new.contiguous(), vn = v_new.contiguous();
   const at::Tensor kp = k_pool.contiguous(), vp = v_pool.contiguous();
   const at::Tensor bt = block_tables.contiguous(), cl = context_lens.contiguous();

@@ -42,7 +42,6 @@ from vllm_aot.models.layers import (
     packed_attention,
     prefill_attention,
     rms_norm,
-    verify_attention,
 )
 from vllm_aot.models.linear import LM_HEAD, vocab_rows_per_rank
 from vllm_aot.models.registry import family_of
@@ -161,8 +160,12 @@ class Layer(nn.Module):
         formats = {linear.format for linear in self.spec.linears()}
         self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
         self.experts = experts_kernel(experts_impl())
-        attention = {ProgramKind.PREFILL: prefill_attention, ProgramKind.VERIFY: verify_attention}
-        self.attention = attention.get(kind) or decode_attention_fn(attention_impl())
+        verify = kind == ProgramKind.VERIFY
+        self.attention = (
+            prefill_attention
+            if kind == ProgramKind.PREFILL
+            else decode_attention_fn(attention_impl(), verify=verify)
+        )
 
     def forward(self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights):
         tensors = dict(zip(self.tensor_names, weights, strict=True))
