@@ -16,8 +16,8 @@
   On CPUs with AMX, bfloat16 activations of 4-32 rows (q8_0 and int8 from one row) meet each
   block dequantised once into two bfloat16 tiles (the weight to 2^-16), AMX's tile multiply
   covering 16 rows at once (`quant_amx.h`): 4-32 rows cost 1.4-1.9x one row. More rows
-  (prefill) dequantise the weights in chunks for aten's GEMM (`quant.cpp`). A row's result never depends on the other
-  rows (`quant.h`).
+  (prefill) dequantise the weights in chunks for aten's GEMM (`quant.cpp`). A row's result
+  never depends on the other rows (`quant.h`).
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
   k_scale, v_scale)` (`decode_attention.cpp`): paged attention of one query per row (or n, a
   verify step's newest token and drafts, causal among themselves) that reads only the row's
