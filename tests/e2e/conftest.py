@@ -39,7 +39,7 @@ SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
     "VLLM_AOT_ENGINE_FORK": "1",
-    "GOMP_SPINCOUNT": "10000",  # tests share the machine (serve/launch.py)
+    "GOMP_SPINCOUNT": "10000",  # as vllm-aot serve sets it (serve/launch.py)
 }
 
 

@@ -40,7 +40,7 @@ from vllm_aot.serve.replicas import (
 )
 from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config, flag_value
 
-GOMP_SPINCOUNT = 50000  # turns an idle OpenMP thread spins before it sleeps (server_env)
+GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (server_env)
 
 
 def server_command(
@@ -132,13 +132,11 @@ def server_env() -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
     # OpenMP threads wait at the end of each parallel loop by spinning, 300000 turns by
-    # default (milliseconds), then sleep; a batch-1 step has ~150 parallel loops. Too short a
-    # spin and the worker sleeps in the serial code between loops, woken at each: SmolLM2's
-    # one-stream TPOT 9.2-10.0 ms at 10000 turns against 8.1 at 50000. Too long and, when
-    # another process holds a core, a thread spinning for a preempted teammate burns the core
-    # that teammate needs: beside one busy process, 45 ms at 10000, 114-127 at 50000, 143-178
-    # at 100000. The default is for a machine the server has to itself (as vLLM's CPU
-    # backend assumes); on a shared one, GOMP_SPINCOUNT=10000 (docs/benchmarks.md).
+    # default (milliseconds). When another process holds a core (the API server, a client,
+    # a neighbour), a thread spinning for a preempted one burns the core that one needs:
+    # one stream's step went from 10 to 30-150 ms on a shared 2-core machine. A short spin
+    # keeps the quiet machine's speed (9.6-10.1 ms against 9.9-10.2) and bounds that waste
+    # (docs/benchmarks.md, async scheduling and the engine's OpenMP threads).
     env.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
     return env
 
