@@ -49,14 +49,25 @@ template <typename P>
 struct Cached {
   const P* pool;  // the pool at this KV head's first element
   const int64_t* table;
-  int64_t len, block_size, token_stride;
+  int64_t len, block_size, token_stride, head_dim;
 
-  // f(t, the element at position t) for t < len, in order.
+  // f(t, the element at position t) for t < len, in order; the next block's positions are
+  // prefetched as a block starts (a row's blocks are scattered over the pool, and one head's
+  // elements of a position are a line or two in a stride of every head's: too sparse for the
+  // hardware prefetcher).
   template <class F>
   inline void each(const F& f) const {
+    constexpr int64_t kLine = 64 / sizeof(P);
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
       const P* base = pool + table[b] * block_size * token_stride;
       const int64_t n = std::min(block_size, len - t0);
+      if (t0 + block_size < len) {
+        const P* next = pool + table[b + 1] * block_size * token_stride;
+        const int64_t later = std::min(block_size, len - t0 - block_size);
+        for (int64_t j = 0; j < later; ++j)
+          for (int64_t e = 0; e < head_dim; e += kLine)
+            _mm_prefetch(reinterpret_cast<const char*>(next + j * token_stride + e), _MM_HINT_T0);
+      }
       for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j * token_stride);
     }
   }
@@ -238,8 +249,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
       const int64_t* table = tables + r * max_blocks;
       // the row's first new key/value (at t == len); new token j's is j * token_stride on
       const int64_t own = (r * per_row * kv_heads + h) * d;
-      const Cached<P> keys{kp + h * d, table, len, block_size, token_stride};
-      const Cached<P> values{vp + h * d, table, len, block_size, token_stride};
+      const Cached<P> keys{kp + h * d, table, len, block_size, token_stride, d};
+      const Cached<P> values{vp + h * d, table, len, block_size, token_stride, d};
       const T* qh = qp + (qr * heads + h * group) * d;  // the group's query heads, contiguous
       for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qh[i]) * scale;
       // q . key == (q * k_scale) . stored key
