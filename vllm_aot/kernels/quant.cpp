@@ -46,7 +46,7 @@ Isa choose_isa() {
 // aten's GEMM (in parallel) into out's columns. Chunks are large: each GEMM call costs ~15 us.
 void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& format, Isa chosen,
                         at::Tensor& out) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen == Isa::kAvx512Vnni &&
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen >= Isa::kAvx512Vnni &&
                     __builtin_cpu_supports("avx512bf16");
   const at::Tensor xc = x.to(bf16 ? at::kBFloat16 : at::kFloat);
   at::Tensor result =
