@@ -194,12 +194,12 @@ inline void softmax_rows(float* scores, int64_t stride, int64_t group, int64_t n
   }
 }
 
-// The later new values of a query (new tokens 1 .. i of its row, the first being weighted_values'
-// own): out[g * d + c] += p[g][len + j] * value j.
+// The later new values of a row's new token `token` (new tokens 1 .. token, the first being
+// weighted_values' own): out[g * d + c] += p[g][len + j] * value j.
 template <typename T>
 void later_values(const float* probs, int64_t stride, int64_t len, const T* first,
-                  int64_t value_stride, int64_t i, float* out, int64_t group, int64_t d) {
-  for (int64_t j = 1; j <= i; ++j) {
+                  int64_t value_stride, int64_t token, float* out, int64_t group, int64_t d) {
+  for (int64_t j = 1; j <= token; ++j) {
     const T* v = first + j * value_stride;
     for (int64_t g = 0; g < group; ++g) {
       const __m256 w = _mm256_set1_ps(probs[g * stride + len + j]);
@@ -225,7 +225,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   const int64_t per_row = queries / block_tables.size(0);  // new tokens per row
   const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
   const int64_t block_size = k_pool.size(1), max_blocks = block_tables.size(1);
-  const int64_t stride = max_blocks * block_size + per_row;  // a query head's scores, new keys last
+  // a query head's scores, the row's new keys last
+  const int64_t stride = max_blocks * block_size + per_row;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const T* qp = q.data_ptr<T>();
   const T* knp = k_new.data_ptr<T>();
@@ -243,8 +244,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
     qf.resize(group * d), qk.resize(group * d), acc.resize(group * d);
     scores.resize(group * stride);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t qr = item / kv_heads, h = item % kv_heads;  // query row qr = r * n + i
-      const int64_t r = qr / per_row, i = qr % per_row;
+      const int64_t qr = item / kv_heads, h = item % kv_heads;  // query row r * per_row + token
+      const int64_t r = qr / per_row, token = qr % per_row;
       const int64_t len = std::min(lens[r], stride - per_row);
       const int64_t* table = tables + r * max_blocks;
       // the row's first new key/value (at t == len); new token j's is j * token_stride on
@@ -268,9 +269,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         key_scores_any<P>(q_cached, keys, scores.data(), stride, group, d);
       }
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j <= i; ++j)
+        for (int64_t j = 0; j <= token; ++j)
           scores[g * stride + len + j] = dot(&qf[g * d], knp + own + j * token_stride, d);
-      softmax_rows(scores.data(), stride, group, len + i);
+      softmax_rows(scores.data(), stride, group, len + token);
       if (!fast.empty()) {
         for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
           const int64_t n = std::min(kMaxGroup, group - g0);
@@ -280,7 +281,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         weighted_values_any<P, T>(scores.data(), stride, values, v_scale, vnp + own,
                                   acc.data(), group, d);
       }
-      later_values(scores.data(), stride, len, vnp + own, token_stride, i, acc.data(), group, d);
+      later_values(scores.data(), stride, len, vnp + own, token_stride, token, acc.data(), group,
+                   d);
       T* dst = op + (qr * heads + h * group) * d;
       for (int64_t i = 0; i < group * d; ++i) dst[i] = static_cast<T>(acc[i]);
     }

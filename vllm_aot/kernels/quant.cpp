@@ -117,8 +117,10 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, const Format& format) {
   const Isa chosen = isa();
   // AMX for up to kMaxAmxRows rows of whole blocks, but fewer than kMinAmxRows take the format's
   // VNNI kernel where it has one (it reads the codes as bytes, not widened: q4_0, q4_1).
-  const bool vnni_rows = m < kMinAmxRows && format.multiply_bf16[static_cast<int>(Isa::kAvx512Vnni)];
-  const bool tiles = chosen == Isa::kAmx && !vnni_rows && m <= kMaxAmxRows && w.k % kBlock == 0;
+  const bool vnni_rows =
+      m < kMinAmxRows && format.multiply_bf16[static_cast<int>(Isa::kAvx512Vnni)] != nullptr;
+  const bool tiles =
+      chosen == Isa::kAmx && !vnni_rows && m <= kMaxAmxRows && w.k % kBlock == 0;
   const Isa path = chosen == Isa::kAmx && !tiles ? Isa::kAvx512Vnni : chosen;
   const MultiplyBf16Fn bf16 =
       x2.scalar_type() == at::kBFloat16 ? format.multiply_bf16[static_cast<int>(path)] : nullptr;

@@ -77,8 +77,8 @@ constexpr int64_t kMaxDirectRowsAvx2Fixed = 32;
 constexpr int64_t kMinAmxRows = 4, kMaxAmxRows = 32;
 
 // The kernels' instruction set: AVX2 + FMA (the floor), AVX-512, AVX-512 with VNNI's byte dot
-// products (`quant_avx512_vnni.h`), and on top of those AMX's bfloat16 tiles for two or more
-// bfloat16 rows (`quant_amx.cpp`).
+// products (`quant_avx512_vnni.h`), and on top of those AMX's bfloat16 tiles for several
+// bfloat16 rows (`quant_amx.h`; kMinAmxRows, kMaxAmxRows).
 enum class Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2, kAmx = 3 };
 
 // The best the CPU has, unless `VLLM_AOT_KERNEL_ISA` (avx2, avx512, avx512_vnni) caps it (read
@@ -106,9 +106,10 @@ using DequantizeBf16Fn = void (*)(const Weights& w, int64_t row0, int64_t rows,
                                   c10::BFloat16* out);
 
 // A format's entry points: its float32 kernel for AVX2 and AVX-512; its bfloat16 ones per
-// instruction set (`Isa`; an AMX CPU's single rows take its VNNI entry; null where the format
-// has none: then bfloat16 activations are widened for the float32 kernel); its dequantisation to float32 (AVX2) and to bfloat16 (for aten's
-// bfloat16 GEMM where the CPU multiplies bfloat16 natively).
+// instruction set (`Isa`; on an AMX CPU, rows outside the AMX range take the VNNI entry; null
+// where the format has none: then bfloat16 activations are widened for the float32 kernel); its
+// dequantisation to float32 (AVX2) and to bfloat16 (for aten's bfloat16 GEMM where the CPU
+// multiplies bfloat16 natively).
 struct Format {
   MultiplyFn multiply[2];
   MultiplyBf16Fn multiply_bf16[4];
