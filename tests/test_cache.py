@@ -97,6 +97,20 @@ def test_keys_change_with_what_changes_the_program():
     assert program_cache_key(renamed, TINY_CACHE_CONFIG, key) == base
 
 
+def test_an_encode_program_is_keyed_by_its_attention_window():
+    """encode_t512 attends in windows of 256 under max_model_len 256 and in one of 512 under 512:
+    its mask input differs, so one must never be served for the other."""
+    from vllm_aot.cache.keys import program_cache_key
+    from vllm_aot.runtime.config import RuntimeConfig
+    from vllm_aot.runtime.programs import ProgramKey, ProgramKind
+
+    key = ProgramKey(ProgramKind.ENCODE, 512)
+    configs = [RuntimeConfig(runner="pooling", max_model_len=n) for n in (256, 512)]
+    assert [c.encode_window(512) for c in configs] == [256, 512]
+    keys = {program_cache_key(tiny_arch(), c, key) for c in configs}
+    assert len(keys) == 2
+
+
 def test_two_processes_compile_each_program_once(tmp_path):
     log = tmp_path / "compiled.log"
     workers = [start_worker(tmp_path / "cache", log, 1.0) for _ in range(2)]
