@@ -231,6 +231,34 @@ def test_serve_picks_the_registry_configuration_that_matches_the_flags(tmp_path,
     assert chosen.additional_config["decode_batch_buckets"] == [1, 2, 4, 8, 16, 32]
 
 
+def test_serve_never_picks_a_configuration_longer_than_the_model_declares(tmp_path, tiny_model_dir):
+    """vLLM takes a sentence-transformers directory's max_seq_length as the model's limit and
+    refuses a longer --max-model-len, so a configuration compiled longer is not offered."""
+    import shutil
+
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+    from vllm_aot.cache.registry import CompiledConfiguration
+    from vllm_aot.models.registry import load_arch
+    from vllm_aot.runtime.config import RuntimeConfig
+    from vllm_aot.serve.selection import pick_from_registry
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    settings = CacheSettings(root=tmp_path / "cache")
+    arch = load_arch(model_dir)
+    for length in (256, 512):
+        config = RuntimeConfig(max_num_seqs=8, max_model_len=length)
+        ProgramCache(settings).registry.record(CompiledConfiguration.build(arch, config, {}))
+
+    def pick():
+        return pick_from_registry(model_dir, ShapeFlags(), (), backend="inductor",
+                                  cores_per_replica=2, cache_settings=settings)[0]  # fmt: skip
+
+    assert pick().runtime["max_model_len"] == 512
+    (model_dir / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+    assert pick().runtime["max_model_len"] == 256
+
+
 @pytest.mark.parametrize(
     ("argv", "model", "passed"),
     [

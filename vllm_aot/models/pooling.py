@@ -72,6 +72,16 @@ def pool(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
     return pooled.result()
 
 
+def declared_max_len(model_dir: str | Path) -> int | None:
+    """The longest sequence a sentence-transformers directory declares (`max_seq_length` of its
+    `sentence_bert_config.json`), which vLLM takes as the model's length limit; None if none."""
+    path = Path(model_dir) / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_seq_length")
+    return int(value) if value is not None else None
+
+
 def read_pooling(model_dir: str | Path) -> Pooling | None:
     """The pooling a sentence-transformers directory declares; None for a plain HF one.
     Raises ValueError for a pooling mode we do not implement (max, mean over sqrt(length))."""

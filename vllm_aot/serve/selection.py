@@ -57,6 +57,7 @@ def pick_from_registry(
     from vllm_aot.cache.keys import arch_digest
     from vllm_aot.cache.program_cache import ProgramCache
     from vllm_aot.cache.registry import select_configuration
+    from vllm_aot.models.pooling import declared_max_len
     from vllm_aot.models.registry import load_arch
     from vllm_aot.runtime.config import RuntimeConfig
 
@@ -67,6 +68,10 @@ def pick_from_registry(
         return None, "--additional-config sets shapes itself: the registry is not consulted"
     arch = load_arch(model_dir)
     entries = ProgramCache(cache_settings).registry.entries(arch_digest(arch))
+    # vLLM refuses a length beyond the model's own limit (a sentence-transformers directory's
+    # max_seq_length where it declares one), so configurations compiled longer are not offered.
+    limit = declared_max_len(model_dir) or arch.max_position_embeddings
+    entries = [e for e in entries if e.runtime["max_model_len"] <= limit]
     requested = requested_shapes(flags, passthrough)
     entry, why = select_configuration(entries, requested, num_cores=cores_per_replica)
     if entry is None:
