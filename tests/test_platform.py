@@ -213,6 +213,14 @@ def test_an_encoder_is_a_pooling_model_with_its_sentence_transformers_pooling(em
     assert config.scheduler_config.max_num_batched_tokens == 512
 
 
+def test_dtype_auto_is_one_we_run_for_an_embedding_model_too(embedding_model_dir, tiny_model_dir):
+    """vLLM's auto picks a pooling model float16 on a CPU when the platform lists it: ours lists
+    bfloat16 first (float32 checkpoints, generating or pooling) and never float16."""
+    for model_dir in (embedding_model_dir, tiny_model_dir):
+        config = engine_config(model_dir, dtype="auto", max_num_batched_tokens=256)
+        assert config.model_config.dtype == torch.bfloat16
+
+
 def test_a_decoder_converted_to_embeddings_keeps_vllms_chunking(tiny_model_dir):
     """--convert embed: prefill programs alone; LAST-pooled prompts chunked as vLLM chunks them."""
     config = engine_config(tiny_model_dir, runner="pooling", convert="embed")

@@ -125,3 +125,19 @@ def test_two_replicas_serve_embeddings(embedding_model_dir, reference, tmp_path)
     assert len(replicas) == 2
     for ours in results:
         assert cosines(ours, reference).min() >= 0.9999
+
+
+def test_the_readme_command_serves_bfloat16_embeddings(reference, tmp_path):
+    """`vllm-aot serve --runner pooling` with no --dtype: vLLM's auto on our platform is bfloat16
+    (vLLM's CPU backend would pick float16 for an embedding model, which we do not run)."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--runner", "pooling",
+               "--backend", "eager", "--port", str(port)]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with running_server(command, port=port, log_path=log, timeout=300) as url:
+        body = {"model": EMBEDDING_MODEL_NAME, "input": SENTENCES}
+        response = httpx.post(f"{url}/v1/embeddings", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        ours = [d["embedding"] for d in response.json()["data"]]
+    assert "bfloat16" in log.read_text()
+    assert cosines(ours, reference).min() >= 0.999

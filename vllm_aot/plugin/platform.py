@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import ClassVar
 
+import torch
 import vllm.envs as envs
 from vllm.platforms.cpu import CpuPlatform
 
@@ -230,6 +231,12 @@ class AotPlatform(CpuPlatform):
     ray_device_key: ClassVar[str] = RAY_RESOURCE
     # vLLM checks --quantization against this list (`plugin/quantization.py` registers the names).
     supported_quantization: ClassVar[list[str]] = list(QUANTIZATIONS)
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # vLLM's --dtype auto takes the first: a float32 checkpoint runs in bfloat16, an embedding
+        # model too (vLLM's CPU backend would pick float16 for it, which our programs do not take).
+        return [torch.bfloat16, torch.float32]
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
