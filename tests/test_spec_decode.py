@@ -163,12 +163,12 @@ def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():
     from vllm.sampling_params import SamplingParams as VllmParams
 
     from vllm_aot.plugin.requests import CachedRequest
-    from vllm_aot.plugin.spec_decode import Drafter
+    from vllm_aot.plugin.spec_decode import NgramDrafter
 
     spec = SimpleNamespace(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
     model_config = SimpleNamespace(max_model_len=64)
     config = SimpleNamespace(speculative_config=spec, model_config=model_config)
-    drafter = Drafter(config)
+    drafter = NgramDrafter(config)
 
     def request(req_id, max_tokens, **params):
         return CachedRequest.new(

@@ -1,4 +1,5 @@
-"""Speculative decoding served: `--speculative-config` with n-gram drafts, against the same
+"""Speculative decoding served: `--speculative-config` with n-gram drafts, a self-speculative
+draft (the target's first layers) and a draft model with a pool of its own, against the same
 server without it. Greedy text must be byte-identical at 1 and 8 streams; drafts must have been
 accepted (vLLM's spec-decode series on /metrics); bad configurations are refused at start."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -49,13 +51,13 @@ COPY_PROMPTS = [
 ]
 
 
-def _server(model_dir, spec: dict | None, log_path, extra=()):
+def _server(model_dir, spec: dict | None, log_path, extra=(), additional=None):
     args = [*SHAPES, *extra]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
     port = free_port()
     command = vllm_server_command(
-        model_dir, port, args=args, additional_config={"backend": "eager"}
+        model_dir, port, args=args, additional_config={"backend": "eager", **(additional or {})}
     )
     return running_server(command, port=port, env=SERVER_ENV, log_path=log_path, timeout=300)
 
@@ -98,10 +100,12 @@ def _wait_counters(url: str, key: str, minimum: float) -> dict[str, float]:
     return counters
 
 
-def _check_identical(model_dir, prompts, max_tokens, tmp_path, *, check_sampling=False):
+def _check_identical(
+    model_dir, prompts, max_tokens, tmp_path, *, check_sampling=False, spec=NGRAM, additional=None
+):
     with _server(model_dir, None, tmp_path / "plain.log") as url:
         expected = {s: _texts(url, prompts, max_tokens, s) for s in (1, 8)}
-    with _server(model_dir, NGRAM, tmp_path / "ngram.log") as url:
+    with _server(model_dir, spec, tmp_path / "spec.log", additional=additional) as url:
         for streams in (1, 8):
             assert _texts(url, prompts, max_tokens, streams) == expected[streams], streams
         if check_sampling:
@@ -144,22 +148,58 @@ def test_ngram_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_p
     _check_identical(default_model_dir, [*CHAT_PROMPTS, *COPY_PROMPTS], 64, tmp_path)
 
 
+def _self_draft(model_dir) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+
+
+def test_self_speculative_greedy_text_is_byte_identical(tiny_model_dirs, tmp_path):
+    """The target's first layer of two drafts for it (its KV pool shared): the text is the
+    plain server's, drafts are verified, and the draft passes show on /metrics."""
+    model_dir = tiny_model_dirs("llama")
+    counters = _check_identical(
+        model_dir,
+        COPY_PROMPTS,
+        32,
+        tmp_path,
+        spec=_self_draft(model_dir),
+        additional={"draft_layers": 1},
+    )
+    assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0, counters
+
+
+def test_a_draft_model_of_its_own_is_accepted_throughout(tiny_model_dirs, tmp_path):
+    """A copy of the target as a separate draft model (its own programs, weights and pool,
+    catching up on each prompt and on what verify steps accept): the text is the plain
+    server's and, the draft being the target, nearly every draft is accepted."""
+    model_dir = tiny_model_dirs("llama")
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(model_dir, draft_dir)
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    counters = _check_identical(model_dir, COPY_PROMPTS, 32, tmp_path, spec=spec)
+    drafted = counters["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafted > 100 and accepted >= 0.95 * drafted, counters
+
+
 @pytest.mark.parametrize(
-    ("spec", "message"),
+    ("spec", "additional", "message"),
     [
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "supported: ngram"),
-        ({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3}, "1..8"),
+        ({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3}, {}, "1..8"),
+        ("self", {"draft_layers": 5}, "draft_layers 5 (supported: 1..2"),
+        (None, {"draft_layers": 1}, "draft_layers needs --speculative-config method draft_model"),
     ],
 )
-def test_unsupported_speculative_configs_are_refused_at_start(tiny_model_dirs, spec, message):
+def test_unsupported_speculative_configs_are_refused_at_start(
+    tiny_model_dirs, spec, additional, message
+):
     model_dir = tiny_model_dirs("llama")
-    if spec["method"] == "draft_model":
-        spec = {**spec, "model": str(model_dir)}
+    spec = _self_draft(model_dir) if spec == "self" else spec
+    args = [*SHAPES] if spec is None else [*SHAPES, "--speculative-config", json.dumps(spec)]
     command = vllm_server_command(
         model_dir,
         free_port(),
-        args=[*SHAPES, "--speculative-config", json.dumps(spec)],
-        additional_config={"backend": "eager"},
+        args=args,
+        additional_config={"backend": "eager", **additional},
     )
     env = {**os.environ, **SERVER_ENV}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)

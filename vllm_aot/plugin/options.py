@@ -29,6 +29,7 @@ OPTION_KEYS = (
     "require_cached",
     "stats_file",
     "num_threads",
+    "draft_layers",
 )
 # vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
 # a value equal to one of these means the user did not choose one, so ours applies.
@@ -51,6 +52,11 @@ class AotOptions:
     # The engine's torch threads (default: one per core of its affinity). Fewer can serve faster
     # where the cores are shared: a descheduled thread stalls its team at every parallel loop.
     num_threads: int | None = None
+    # Speculative decoding's `method: draft_model` (`plugin/spec_decode.py`): the draft's layers
+    # (None: all; self-speculation's default is half the target's), and the draft model's path
+    # (None: none, or the target itself).
+    draft_layers: int | None = None
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

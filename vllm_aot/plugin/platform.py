@@ -24,7 +24,11 @@ from vllm_aot.models.registry import encoder_architectures, supported_architectu
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
-from vllm_aot.plugin.spec_decode import num_speculative_tokens, speculative_problems
+from vllm_aot.plugin.spec_decode import (
+    draft_plan,
+    num_speculative_tokens,
+    speculative_problems,
+)
 from vllm_aot.runtime.config import CONVERTS, QUANTIZATIONS, RUNNERS
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
@@ -49,7 +53,9 @@ def _refuse_unsupported(vllm_config) -> None:
     problems += _refuse_shared_cores(parallel)
     if parallel.data_parallel_size > 1:
         problems.append("vLLM's data parallelism (use vllm-aot serve --data-parallel-size)")
-    problems += speculative_problems(vllm_config.speculative_config)
+    problems += speculative_problems(
+        vllm_config.speculative_config, model_config, parallel.tensor_parallel_size
+    )
     if vllm_config.lora_config is not None:
         problems.append("LoRA adapters")
     problems += _refuse_runner(model_config, archs)
@@ -136,12 +142,18 @@ def _refuse_unchunked_budget(scheduler_config, runtime) -> None:
         )
 
 
-def _speculative_summary(spec_config, runtime) -> str:
+def _speculative_summary(spec_config, options) -> str:
     """What the start-up line shows of speculative decoding."""
     if spec_config is None:
         return "off"
+    runtime = options.runtime
+    draft = ""
+    if spec_config.method == "draft_model":
+        layers = "all" if options.draft_layers is None else options.draft_layers
+        source = options.draft_model or "the target itself (self-speculative)"
+        draft = f", draft {source}, {layers} layers"
     return (
-        f"{spec_config.method} k={runtime.num_speculative_tokens} "
+        f"{spec_config.method} k={runtime.num_speculative_tokens}{draft} "
         f"(verify batches {runtime.verify_batch_buckets})"
     )
 
@@ -278,10 +290,16 @@ class AotPlatform(CpuPlatform):
             _refuse_uncached(model_config.model, options)
         if options.stats_file is None:
             options = dataclasses.replace(options, stats_file=_stats_file())
+        spec_config = vllm_config.speculative_config
+        draft_model, draft_layers = draft_plan(spec_config, options.draft_layers)
+        options = dataclasses.replace(options, draft_model=draft_model, draft_layers=draft_layers)
         register_collector(options.stats_file)
         is_async = bool(scheduler_config.async_scheduling)  # vLLM's choice, CpuPlatform's veto
         if is_async and runtime.runner == "pooling":  # vLLM's default for pooling models too
             logger.warning("vllm-aot: pooling models are scheduled synchronously")
+            is_async = False
+        if is_async and spec_config is not None:  # vLLM keeps it on for draft_model
+            logger.warning("vllm-aot: speculative decoding is scheduled synchronously")
             is_async = False
         super().check_and_update_config(vllm_config)
         scheduler_config.async_scheduling = is_async
@@ -318,7 +336,7 @@ class AotPlatform(CpuPlatform):
         _log_shapes(runtime, options.artifact_dir, is_async=is_async)
         logger.info(
             "vllm-aot: speculative decoding %s",
-            _speculative_summary(vllm_config.speculative_config, runtime),
+            _speculative_summary(spec_config, options),
         )
 
     @classmethod

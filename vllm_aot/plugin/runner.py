@@ -43,7 +43,7 @@ from vllm_aot.plugin.requests import (
     prompt_of,
     refuse_unservable,
 )
-from vllm_aot.plugin.spec_decode import Drafter, run_verify, strip_padding
+from vllm_aot.plugin.spec_decode import ModelDrafter, NgramDrafter, run_verify, strip_padding
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, VerifyInputs, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import is_prefilling
@@ -110,7 +110,9 @@ class PendingStep:
 
 
 class AotModelRunner:
-    def __init__(self, model: CompiledModel, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self, model: CompiledModel, drafter: ModelDrafter | NgramDrafter | None = None
+    ) -> None:
         self.model = model
         self.requests: dict[str, CachedRequest] = {}
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt logprobs are in progress
@@ -129,9 +131,15 @@ class AotModelRunner:
             "vllm-aot: request %s failed: %s", ", ".join(req_ids), reason, exc_info=traceback
         )
         for req_id in req_ids:
-            self.requests.pop(req_id, None)
-            self.prompt_logprobs.forget(req_id)
+            self._forget(req_id)
             failed[req_id] = reason
+
+    def _forget(self, req_id: str) -> None:
+        """A request leaves: its state, prompt logprobs in progress and draft state."""
+        self.requests.pop(req_id, None)
+        self.prompt_logprobs.forget(req_id)
+        if self.drafter is not None:
+            self.drafter.forget(req_id)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -139,8 +147,7 @@ class AotModelRunner:
         """Forget finished requests, record new ones and updates; new requests that cannot be
         served are left out and returned (req_id -> reason)."""
         for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.prompt_logprobs.forget(req_id)
+            self._forget(req_id)
         failed: dict[str, str] = {}
         for new in out.scheduled_new_reqs:
             try:
@@ -154,7 +161,10 @@ class AotModelRunner:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                # Preempted and rescheduled: fresh blocks, tokens resent in full.
+                # Preempted and rescheduled: fresh blocks (a draft model's K/V gone with them),
+                # tokens resent in full.
+                if self.drafter is not None:
+                    self.drafter.forget(req_id)
                 req.block_table = list(new_blocks[0]) if new_blocks else []
                 all_tokens = cached.all_token_ids[req_id]
                 req.output_token_ids = list(all_tokens[len(req.prompt_token_ids) :])

@@ -7,22 +7,32 @@ run (`speculative_problems`) and compiles verify programs for `num_speculative_t
 verifies them in one verify program and returns the accepted tokens plus one
 (`ModelRunnerOutput.sampled_token_ids`), and vLLM's scheduler rolls back the rejected positions
 (their K/V are overwritten by the next step before anything reads them). After the step the
-engine asks for the next drafts (`take_draft_token_ids`): ours come from `Drafter.propose`.
+engine asks for the next drafts (`take_draft_token_ids`): ours come from a drafter's `propose`.
 
-Supported: `method: ngram` (prompt lookup: vLLM's own n-gram matcher, numba on the host). A
-request gets no drafts while it uses structured outputs or host-side logits processing
+Supported:
+- `method: ngram` (`NgramDrafter`): prompt lookup, vLLM's own n-gram matcher on the host.
+- `method: draft_model` (`ModelDrafter`, over `runtime/draft.py`): greedy drafts from a model's
+  compiled programs. `model` naming the target itself is self-speculation: the target's first
+  `draft_layers` layers (`--additional-config`, default half), its final norm and head, reading
+  and writing the target's KV pool. Another model sharing the target's vocabulary drafts with
+  its own programs, weights and pool (the target's block ids; vLLM reserves the lookahead slots
+  its passes write), in the target's dtype, all its layers unless `draft_layers` cuts it.
+A request gets no drafts while it uses structured outputs or host-side logits processing
 (penalties, bias, bad words, min_tokens: its tokens come from the host), or when one more token
-ends it; a decode batch larger than the largest verify program decodes without drafts.
+ends it (or reaches max_model_len); a decode batch larger than the largest verify program
+decodes without drafts (a model drafter then drafts nothing).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm_aot.runtime.config import MAX_SPECULATIVE_TOKENS
+from vllm_aot.runtime.draft import DraftRow, ModelDraft
 from vllm_aot.runtime.inputs import VerifyRow
 
 if TYPE_CHECKING:  # the platform imports this module while vLLM's config is still loading
@@ -30,11 +40,12 @@ if TYPE_CHECKING:  # the platform imports this module while vLLM's config is sti
 
     from vllm_aot.plugin.requests import CachedRequest
 
-SUPPORTED_METHODS = ("ngram",)
-PLANNED_METHODS = ("draft_model", "a self-speculative draft from the target's first layers")
+SUPPORTED_METHODS = ("ngram", "draft_model")
 
 
-def speculative_problems(spec_config) -> list[str]:
+def speculative_problems(
+    spec_config, model_config=None, tensor_parallel_size: int = 1
+) -> list[str]:
     """What of `--speculative-config` vllm-aot cannot run, each naming what is supported."""
     if spec_config is None:
         return []
@@ -42,12 +53,61 @@ def speculative_problems(spec_config) -> list[str]:
     if spec_config.method not in SUPPORTED_METHODS:
         problems.append(
             f"speculative method {spec_config.method!r} (supported: "
-            f"{', '.join(SUPPORTED_METHODS)}; not yet: {', '.join(PLANNED_METHODS)})"
+            f"{', '.join(SUPPORTED_METHODS)}: a draft model, or the target itself for a "
+            "self-speculative draft from its first layers)"
         )
     k = spec_config.num_speculative_tokens or 0
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         problems.append(f"num_speculative_tokens {k} (supported: 1..{MAX_SPECULATIVE_TOKENS})")
+    if spec_config.method == "draft_model":
+        problems += _draft_model_problems(spec_config, model_config, tensor_parallel_size)
     return problems
+
+
+def _draft_model_problems(spec_config, model_config, tensor_parallel_size: int) -> list[str]:
+    problems = []
+    if tensor_parallel_size > 1:
+        problems.append("method draft_model with --tensor-parallel-size > 1 (supported: 1)")
+    if spec_config.quantization is not None:
+        problems.append(
+            "a quantized draft model (the draft runs in the target's dtype; give no quantization)"
+        )
+    draft = spec_config.draft_model_config
+    if model_config is not None and draft is not None and not is_self_draft(spec_config):
+        target_vocab = model_config.hf_config.vocab_size
+        if draft.hf_config.vocab_size != target_vocab:
+            problems.append(
+                f"draft model vocabulary {draft.hf_config.vocab_size} "
+                f"(supported: the target's, {target_vocab})"
+            )
+    return problems
+
+
+def is_self_draft(spec_config) -> bool:
+    """Whether `method: draft_model` names the target itself: self-speculation."""
+    if spec_config is None or spec_config.method != "draft_model":
+        return False
+    draft, target = spec_config.model, spec_config.target_model_config.model
+    return draft == target or os.path.realpath(draft) == os.path.realpath(target)
+
+
+def draft_plan(spec_config, draft_layers: int | None) -> tuple[str | None, int | None]:
+    """(the draft model's path, None for none or the target itself; its layers, None for all)
+    from `--speculative-config` and `--additional-config`'s `draft_layers`; ValueError for
+    layers the draft does not have, or `draft_layers` without a draft model."""
+    if spec_config is None or spec_config.method != "draft_model":
+        if draft_layers is not None:
+            raise ValueError(
+                "--additional-config draft_layers needs --speculative-config method draft_model"
+            )
+        return None, None
+    is_self = is_self_draft(spec_config)
+    total = spec_config.draft_model_config.hf_config.num_hidden_layers
+    if draft_layers is None:
+        draft_layers = max(1, total // 2) if is_self else None
+    if draft_layers is not None and not 1 <= draft_layers <= total:
+        raise ValueError(f"draft_layers {draft_layers} (supported: 1..{total}, the draft's layers)")
+    return (None if is_self else spec_config.model), draft_layers
 
 
 def num_speculative_tokens(vllm_config) -> int:
@@ -89,7 +149,46 @@ def wants_drafts(request: CachedRequest) -> bool:
     )
 
 
-class Drafter:
+def _num_drafts(request: CachedRequest, k: int, max_model_len: int) -> int:
+    """Drafts a request may take: none unless it `wants_drafts`; never a position the verify
+    step cannot compute (past max_tokens or max_model_len)."""
+    if not wants_drafts(request):
+        return 0
+    remaining = request.max_tokens - len(request.output_token_ids)
+    num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+    return max(0, min(k, remaining - 1, max_model_len - num_tokens))
+
+
+class ModelDrafter:
+    """Greedy drafts from a model's programs (`runtime/draft.py`) for the requests that sampled
+    this step, all in one batch of passes, or none when the batch is wider than every verify
+    program (it would decode without them)."""
+
+    def __init__(self, vllm_config, draft: ModelDraft, max_rows: int) -> None:
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.draft = draft
+        self.max_rows = max_rows
+
+    def forget(self, req_id: str) -> None:
+        self.draft.forget(req_id)
+
+    def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
+        from vllm.v1.outputs import DraftTokenIds
+
+        rows = []
+        for request in requests:
+            n = _num_drafts(request, self.k, self.max_model_len)
+            if n and (self.draft.shares_kv or request.prompt_embeds is None):
+                tokens = [*request.prompt_token_ids, *request.output_token_ids]
+                rows.append(DraftRow(request.req_id, tokens, request.block_table, n))
+        drafts = self.draft.propose(rows) if len(rows) <= self.max_rows else {}
+        return DraftTokenIds(
+            [r.req_id for r in requests], [drafts.get(r.req_id, []) for r in requests]
+        )
+
+
+class NgramDrafter:
     """Prompt-lookup drafts for the requests that sampled this step: vLLM's n-gram matcher (the
     kernel of its `NgramProposer`), one request at a time. Its batch entry point is a parallel
     numba loop whose OpenMP pool is not torch's: two pools of spinning threads on the engine's
@@ -107,17 +206,20 @@ class Drafter:
         self._propose_one = propose_one
         self._propose_one(np.zeros(8, dtype=np.int32), self.min_n, self.max_n, 8, self.k)  # JIT
 
+    def forget(self, req_id: str) -> None:
+        """Nothing is kept per request."""
+
     def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
         """Up to k drafts each, capped so a step never computes past the request's max_tokens."""
         from vllm.v1.outputs import DraftTokenIds
 
         drafts = []
         for request in requests:
-            if not wants_drafts(request):
+            n = _num_drafts(request, self.k, self.max_model_len)
+            if not n:
                 drafts.append([])
                 continue
             tokens = np.array(request.prompt_token_ids + request.output_token_ids, np.int32)
-            remaining = request.max_tokens - len(request.output_token_ids)
             found = self._propose_one(tokens, self.min_n, self.max_n, self.max_model_len, self.k)
-            drafts.append(found[: remaining - 1].tolist())
+            drafts.append(found[:n].tolist())
         return DraftTokenIds([r.req_id for r in requests], drafts)

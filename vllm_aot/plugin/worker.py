@@ -37,8 +37,9 @@ from vllm_aot.plugin.parallel import join_ranks
 from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
-from vllm_aot.plugin.spec_decode import Drafter
+from vllm_aot.plugin.spec_decode import ModelDrafter, NgramDrafter
 from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.draft import ModelDraft
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -111,18 +112,23 @@ class AotWorker(WorkerBase):
 
     def _load_model(self) -> None:
         options = self.options
+        program_options = ProgramOptions(
+            cache=ProgramCache(options.cache_settings()),
+            allow_compile=not options.require_cached,
+            progress_to=_log_progress,
+            on_event=_log_program,
+        )
         self.loaded = start(
             options.artifact_dir or self.model_config.model,
             options.runtime,
-            ProgramOptions(
-                cache=ProgramCache(options.cache_settings()),
-                allow_compile=not options.require_cached,
-                progress_to=_log_progress,
-                on_event=_log_program,
-            ),
+            program_options,
             rank=self.place.tp_rank,
         )
         self.arch = self.loaded.arch
+        self.draft_loaded = None  # a draft model of its own (speculative decoding)
+        if options.draft_model is not None:
+            runtime = options.runtime.for_draft()
+            self.draft_loaded = start(options.draft_model, runtime, program_options)
         if self.arch.is_moe:
             rank = options.runtime.rank(self.place.tp_rank)
             logger.info("vllm-aot: rank %d holds %s", rank.index, rank_share(self.arch, rank))
@@ -160,6 +166,10 @@ class AotWorker(WorkerBase):
             2 * self.arch.num_layers * self.local_arch.kv_size * runtime.kv_torch_dtype.itemsize
         )
         useful = 2 * runtime.max_num_seqs * runtime.max_model_len * bytes_per_token
+        if self.draft_loaded is not None:  # its pool has as many blocks: vLLM's share shrinks
+            draft = self.draft_loaded.arch
+            draft_bytes = 2 * draft.num_layers * draft.kv_size * runtime.kv_torch_dtype.itemsize
+            budget = budget * bytes_per_token // (bytes_per_token + draft_bytes)
         return min(budget, useful)
 
     def initialize_from_config(self, kv_cache_config) -> None:
@@ -181,13 +191,29 @@ class AotWorker(WorkerBase):
     def _make_runner(self) -> AotModelRunner | PoolingRunner | DecoderPoolingRunner:
         """Generation's runner, or a pooling one: an encoder's, a converted decoder's."""
         if not self.is_pooling:
-            drafter = Drafter(self.vllm_config) if self.vllm_config.speculative_config else None
-            return AotModelRunner(self.model, drafter)
+            return AotModelRunner(self.model, self._make_drafter())
         pooling = self.model_config.pooler_config.seq_pooling_type
         kind = "encoder, no KV cache" if self.arch.is_encoder else "decoder, --convert embed"
         logger.info("vllm-aot: embeddings by %s pooling (%s)", pooling, kind)
         runner = PoolingRunner if self.arch.is_encoder else DecoderPoolingRunner
         return runner(self.model, pooling)
+
+    def _make_drafter(self) -> ModelDrafter | NgramDrafter | None:
+        """Speculative decoding's drafter: vLLM's n-gram matcher, the target's own first layers
+        (self-speculation) or a draft model with a pool of as many blocks as the target's."""
+        spec = self.vllm_config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(self.vllm_config)
+        options = self.options
+        if self.draft_loaded is None:
+            draft = ModelDraft(self.model, num_layers=options.draft_layers, shares_kv=True)
+        else:
+            draft_model = self.draft_loaded.build(self.model.kv.num_blocks)
+            draft = ModelDraft(draft_model, num_layers=options.draft_layers, shares_kv=False)
+        max_rows = max(options.runtime.verify_batch_buckets, default=0)
+        return ModelDrafter(self.vllm_config, draft, max_rows)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -247,6 +248,17 @@ class RuntimeConfig:
     def head_row_buckets(self) -> tuple[int, ...]:
         """Rows a head program samples: decode batches, and sequences ending in a prefill step."""
         return self.decode_batch_buckets
+
+    def for_draft(self) -> RuntimeConfig:
+        """A draft model's configuration (speculative decoding's `draft_model`): the target's
+        shapes and pool, dense weights of its dtype, no verify programs of its own."""
+        return dataclasses.replace(
+            self,
+            quantization=None,
+            weight_formats=(),
+            num_speculative_tokens=0,
+            verify_batch_buckets=(),
+        )
 
     def shape_fields(self) -> dict[str, Any]:
         """The fields that change compiled programs (not the backend's cache or the pool size)."""

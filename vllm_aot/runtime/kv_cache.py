@@ -74,13 +74,16 @@ class KVCache:
         k_new: Sequence[torch.Tensor],
         v_new: Sequence[torch.Tensor],
     ) -> None:
-        """Store every layer's keys/values of a step: k_new[layer], v_new[layer] [tokens, kv, d],
-        the same slots in each layer; one copy per K and V (an fp8 pool's each quantised with its
-        layer's scale, as `write` does)."""
-        layers = torch.arange(len(k_new)) * (self.num_blocks * self.block_size)
+        """Store the first len(k_new) layers' keys/values of a step (every layer's, or a draft's
+        first layers'): k_new[layer], v_new[layer] [tokens, kv, d], the same slots in each layer;
+        one copy per K and V (an fp8 pool's each quantised with its layer's scale, as `write`
+        does)."""
+        n = len(k_new)
+        layers = torch.arange(n) * (self.num_blocks * self.block_size)
         slots = (layers[:, None] + slot_mapping[None, :]).flatten()
-        self._store(self._k_all, slots, quantize_kv(torch.stack(k_new), self._k_scales, self.dtype))
-        self._store(self._v_all, slots, quantize_kv(torch.stack(v_new), self._v_scales, self.dtype))
+        k_scales, v_scales = self._k_scales[:n], self._v_scales[:n]
+        self._store(self._k_all, slots, quantize_kv(torch.stack(k_new), k_scales, self.dtype))
+        self._store(self._v_all, slots, quantize_kv(torch.stack(v_new), v_scales, self.dtype))
 
     def _store(self, pools: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         """values [..., kv, d] of the pools' dtype into the flat slots of [layers, ...] pools."""

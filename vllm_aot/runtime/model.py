@@ -144,9 +144,10 @@ class CompiledModel:
         context: tuple[torch.Tensor, torch.Tensor],
         num_real: int,
         given: GivenEmbeds | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Embed (or take the `given` embeddings), run every layer through the one program for
-        this bucket; [tokens, hidden].
+        """Embed (or take the `given` embeddings), run every layer (or the first `num_layers`:
+        a self-speculative draft) through the one program for this bucket; [tokens, hidden].
 
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
@@ -161,7 +162,7 @@ class CompiledModel:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
             cos, sin = rotary_cos_sin(positions, self._inv_freq, self.config.torch_dtype)
             started = time.perf_counter()
-            for layer, weights in enumerate(self._layer_args):
+            for layer, weights in enumerate(self._layer_args[:num_layers]):
                 cache = self.kv.layer(layer)
                 hidden, k_new, v_new = program(hidden, cos, sin, *cache, *context, *weights)
                 if tap is not None:
@@ -244,13 +245,16 @@ class CompiledModel:
         normed = rms_norm(hidden[:num_real], self.weights.final_norm, self.arch.rms_norm_eps)
         return list(normed.split([len(c.token_ids) for c in chunks]))
 
-    def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
-        """Layers of a decode step; [row bucket, hidden]."""
+    def forward_decode(
+        self, rows: Sequence[DecodeRow], num_layers: int | None = None
+    ) -> torch.Tensor:
+        """Layers of a decode step; [row bucket, hidden]. With `num_layers`, a draft pass
+        (`runtime/draft.py`): the first layers alone, their K/V written, counted as `draft`."""
         with self.spans("prepare_inputs"):
             inputs = prepare_decode(rows, self.config)
         key = inputs.key
         self.step_stats.record(
-            "decode",
+            "decode" if num_layers is None else "draft",
             num_rows=len(rows),
             row_bucket=key.size,
             num_tokens=len(rows),
@@ -260,7 +264,13 @@ class CompiledModel:
         )
         context = (inputs.block_tables, inputs.context_mask)
         return self._run_layers(
-            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, len(rows)
+            key,
+            inputs.token_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            context,
+            len(rows),
+            num_layers=num_layers,
         )
 
     def forward_verify(self, rows: Sequence[VerifyRow]) -> tuple[torch.Tensor, VerifyInputs]:

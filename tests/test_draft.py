@@ -1,0 +1,96 @@
+"""Model drafts for speculative decoding (`runtime/draft.py`), against HF transformers' greedy
+text: the target's first layers sharing its KV pool (self-speculation), and a draft model with
+a pool of its own that catches up on what it has not seen (eager, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.helpers import tiny_config
+from vllm_aot.loading.startup import load_model
+from vllm_aot.models.tiny import make_tiny_model
+from vllm_aot.runtime.draft import DraftRow, ModelDraft
+from vllm_aot.runtime.inputs import PrefillChunk, RowSampling
+from vllm_aot.runtime.sampler import GREEDY
+
+K = 3
+PROMPTS = [[1, 17, 923, 44, 5, 88, 300], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13] * 7]
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory, default_model_dir):
+    """A tiny Llama of 4 layers, so its first 2 make a draft unlike the whole."""
+    out = tmp_path_factory.mktemp("tiny-deep")
+    return make_tiny_model(out, tokenizer_dir=default_model_dir, num_layers=4, seed=3)
+
+
+def _hf_greedy(model_dir, tokens, n, num_layers=None) -> list[int]:
+    """HF's greedy continuation of `tokens` by the model cut to its first `num_layers` layers
+    (its final norm and head kept)."""
+    extra = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, **extra
+    ).eval()
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+def _blocks(first: int, num_tokens: int) -> list[int]:
+    return list(range(first, first + num_tokens // 16 + 1))
+
+
+def _prefill(model, prompt, blocks) -> int:
+    """The target's prefill of `prompt`; its sampled token."""
+    chunks = [prompt[i : i + 64] for i in range(0, len(prompt), 64)]
+    token = None
+    for i, piece in enumerate(chunks):
+        out = model.prefill(
+            [PrefillChunk(piece, 64 * i, blocks)], [RowSampling(GREEDY, 0, len(prompt))]
+        )
+        token = int(out.tokens[0])
+    return token
+
+
+def test_self_speculative_drafts_are_the_first_layers_greedy_text(deep_dir):
+    """The target's first 2 of 4 layers, reading the K/V the target wrote: HF's 2-layer model's
+    greedy tokens, for two requests drafted in one batch (one asking fewer drafts)."""
+    model, _ = load_model(deep_dir, tiny_config(num_speculative_tokens=K), show_progress=False)
+    draft = ModelDraft(model, num_layers=2, shares_kv=True)
+    rows = []
+    for i, prompt in enumerate(PROMPTS):
+        blocks = _blocks(1 + 8 * i, len(prompt) + K + 1)
+        tokens = [*prompt, _prefill(model, prompt, blocks)]
+        rows.append(DraftRow(f"r{i}", tokens, blocks, K - i))
+    drafts = draft.propose(rows)
+    for i, row in enumerate(rows):
+        assert drafts[row.req_id] == _hf_greedy(deep_dir, row.tokens, K - i, num_layers=2)
+    assert model.step_stats.to_dict()["draft"]["rows"]["real"] == 2 + 2 + 1
+
+
+def test_a_draft_model_catches_up_on_what_it_has_not_seen(deep_dir, tiny_model_dirs):
+    """A draft model with its own pool (the 2-layer tiny Llama drafting for the 4-layer one):
+    its drafts are its own greedy text after the prompt, after accepted drafts, and after a
+    token that differs from its draft (the rejected position's K/V rewritten)."""
+    target, _ = load_model(deep_dir, tiny_config(num_speculative_tokens=K), show_progress=False)
+    draft_dir = tiny_model_dirs("llama")
+    model, _ = load_model(draft_dir, tiny_config(num_speculative_tokens=K), show_progress=False)
+    draft = ModelDraft(model, shares_kv=False)
+    prompt = PROMPTS[1]
+    blocks = _blocks(1, len(prompt) + 4 * K + 4)
+    tokens = [*prompt, _prefill(target, prompt, blocks)]
+    for step in range(3):
+        got = draft.propose([DraftRow("r", tokens, blocks, K)])["r"]
+        assert got == _hf_greedy(draft_dir, tokens, K), step
+        # First all accepted, then a bonus token: two tokens the draft never fed; later the
+        # first accepted, the second replaced by a correction.
+        tokens += [*got, 5] if step == 0 else [got[0], (got[1] + 1) % 1000]
+    draft.forget("r")
+    assert draft.propose([DraftRow("r", tokens, blocks, 1)])["r"] == _hf_greedy(
+        draft_dir, tokens, 1
+    )

@@ -1,0 +1,132 @@
+"""Drafts from a model for speculative decoding: greedy, one token a pass, on compiled programs.
+
+One loop serves both model-based methods. Each row's newest token (sampled, not yet in the
+target's cache) goes through the draft's layers, its head picks the first draft greedily, that
+draft goes in at the next position, and so on for up to k passes (a row stops at its own
+`num_drafts`, so rows near their end or max_model_len take fewer). A pass is a decode program
+at the rows' batch bucket; the head is the greedy head program. Greedy drafts are point masses,
+which the verify step's rejection sampling takes at any temperature (`runtime/verify.py`).
+
+- **Self-speculation** (`shares_kv`): the draft is the target itself cut to its first
+  `num_layers` layers, with its final norm and head. Those layers' K/V at every position the
+  target has computed are the ones the draft would compute, so the draft reads the target's pool
+  and writes its passes' K/V there (positions the next verify step writes again, every layer).
+  Nothing to catch up: the first pass is always the newest token alone.
+- **A draft model** (its own weights, programs and pool, the target's block ids): the draft
+  holds the K/V of the tokens it was fed (`_fed`), and before drafting takes in whatever of the
+  request it has not seen, or saw with another value (a rejected draft), through its prefill
+  programs: the prompt the first time, then the one or two tokens a verify step accepted past
+  what it fed. A request's draft state is dropped with `forget` (finished, preempted).
+
+The caller reserves the blocks the passes write: positions up to len(tokens) - 1 + num_drafts - 1
+(vLLM's lookahead slots for a draft model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
+from vllm_aot.runtime.model import CompiledModel
+from vllm_aot.runtime.sampler import GREEDY
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """A request to draft for: every token so far (the last one the newest, not in the target's
+    cache), its block table (covering the positions the passes write) and how many drafts."""
+
+    req_id: str
+    tokens: Sequence[int]
+    block_table: Sequence[int]
+    num_drafts: int
+
+
+class ModelDraft:
+    """Greedy drafts from `model`: the target's first `num_layers` layers (`shares_kv`), or a
+    draft model of its own (every layer, its own pool)."""
+
+    def __init__(
+        self, model: CompiledModel, *, num_layers: int | None = None, shares_kv: bool
+    ) -> None:
+        assert num_layers is None or 1 <= num_layers <= model.arch.num_layers, num_layers
+        self.model = model
+        self.num_layers = num_layers
+        self.shares_kv = shares_kv
+        self._fed: dict[str, list[int]] = {}  # own pool: the tokens whose K/V it holds, in order
+
+    def forget(self, req_id: str) -> None:
+        """Drop a request's draft state (finished, or resumed with fresh blocks)."""
+        self._fed.pop(req_id, None)
+
+    def propose(self, rows: Sequence[DraftRow]) -> dict[str, list[int]]:
+        """req_id -> the row's greedy drafts, `num_drafts` of them (rows asking none left out)."""
+        rows = [r for r in rows if r.num_drafts > 0]
+        drafts: dict[str, list[int]] = {}
+        if not rows:
+            return drafts
+        for row, token in zip(rows, self._first_drafts(rows), strict=True):
+            drafts[row.req_id] = [token]
+        for step in range(1, max(r.num_drafts for r in rows)):
+            live = [r for r in rows if r.num_drafts > step]
+            tokens = self._pass(
+                [
+                    DecodeRow(drafts[r.req_id][-1], len(r.tokens) - 1 + step, r.block_table)
+                    for r in live
+                ]
+            )
+            for row, token in zip(live, tokens, strict=True):
+                drafts[row.req_id].append(token)
+        if not self.shares_kv:
+            for row in rows:  # fed: every token, then every draft but the last
+                self._fed[row.req_id] = [*row.tokens, *drafts[row.req_id][:-1]]
+        return drafts
+
+    def _first_drafts(self, rows: Sequence[DraftRow]) -> list[int]:
+        """The first draft of each row: a decode pass over the rows whose only unseen token is
+        the newest, prefill chunks for the others (a draft model catching up)."""
+        first: dict[str, int] = {}
+        seen = {r.req_id: self._num_seen(r) for r in rows}
+        single = [r for r in rows if seen[r.req_id] == len(r.tokens) - 1]
+        if single:
+            newest = [DecodeRow(r.tokens[-1], len(r.tokens) - 1, r.block_table) for r in single]
+            for row, token in zip(single, self._pass(newest), strict=True):
+                first[row.req_id] = token
+        for row in rows:
+            if row.req_id not in first:
+                first[row.req_id] = self._catch_up(row, seen[row.req_id])
+        return [first[r.req_id] for r in rows]
+
+    def _num_seen(self, row: DraftRow) -> int:
+        """How many leading tokens of the row the draft holds K/V for (never the newest)."""
+        if self.shares_kv:
+            return len(row.tokens) - 1
+        fed, tokens = self._fed.get(row.req_id, ()), row.tokens
+        n = 0
+        limit = min(len(fed), len(tokens) - 1)
+        while n < limit and fed[n] == tokens[n]:
+            n += 1
+        return n
+
+    def _pass(self, rows: Sequence[DecodeRow]) -> list[int]:
+        """One decode pass through the draft's layers and its greedy head: a token per row."""
+        hidden = self.model.forward_decode(rows, num_layers=self.num_layers)
+        sampling = [RowSampling(GREEDY, 0, r.position + 1) for r in rows]
+        return self.model.sample(hidden, sampling).tokens.tolist()
+
+    def _catch_up(self, row: DraftRow, start: int) -> int:
+        """Feed tokens[start:] through the draft's prefill programs, in chunks of its largest
+        prefill bucket; the first draft from the last chunk's last token."""
+        largest = max(self.model.config.prefill_token_buckets)
+        hidden: torch.Tensor | None = None
+        end = len(row.tokens)
+        for begin in range(start, end, largest):
+            piece = row.tokens[begin : min(begin + largest, end)]
+            chunk = PrefillChunk(piece, begin, row.block_table)
+            hidden = self.model.forward_prefill([chunk]).last
+        assert hidden is not None
+        sampled = self.model.sample(hidden, [RowSampling(GREEDY, 0, end)])
+        return int(sampled.tokens[0])
