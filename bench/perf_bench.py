@@ -1,7 +1,8 @@
 """Serving performance side by side: vllm-aot, vLLM's own CPU backend and llama.cpp, in one run.
 
     .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128,copy]
-                                         [--systems ours,ours-bf16,ours-ngram,vllm,llamacpp]
+                                         [--systems ours,ours-bf16,ours-ngram,ours-self,vllm,
+                                                    llamacpp]
                                          [--serve-args "--max-num-seqs 8"]
                                          [--dtype bfloat16]
                                          [--llamacpp-server native|python]
@@ -26,6 +27,8 @@ Speculative decoding: `ours-ngram` is ours with `--speculative-config` n-gram dr
 tokens, acceptance per position). The `copy` case is copy-heavy: chat requests asking to repeat,
 correct or continue a given text (`COPY_PROMPTS`, greedy, 128 tokens, ignore-eos), where n-gram
 drafts match; the random cases are where they hardly ever do (what speculation costs there).
+`ours-self` is ours with a self-speculative draft (`SELF_SPEC_CONFIG`: `method: draft_model`
+naming no model, so the served model drafts for itself from its first `--draft-layers` layers).
 `--serve-args` go to every `vllm-aot serve` (the same shapes for ours and ours-ngram).
 """
 
@@ -52,13 +55,15 @@ from serve_bench import run_vllm_bench
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-SYSTEMS = ("ours", "ours-bf16", "ours-ngram", "vllm", "llamacpp")
+SYSTEMS = ("ours", "ours-bf16", "ours-ngram", "ours-self", "vllm", "llamacpp")
+SPEC_SYSTEMS = ("ours-ngram", "ours-self")
 NGRAM_CONFIG = {
     "method": "ngram",
     "num_speculative_tokens": 4,
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 4,
 }
+SELF_SPEC_CONFIG = {"method": "draft_model", "num_speculative_tokens": 4}
 DEFAULT_SYSTEMS = ("ours", "vllm", "llamacpp")
 
 
@@ -93,6 +98,11 @@ def server(system: str, model: Path, port: int, args) -> Server:
             return Server((*command, *gguf))
         if system == "ours-ngram":
             return Server((*command, *gguf, "--speculative-config", json.dumps(NGRAM_CONFIG)))
+        if system == "ours-self":
+            spec = ("--speculative-config", json.dumps(SELF_SPEC_CONFIG))
+            if args.draft_layers:  # else the platform's default, half the layers
+                spec += ("--additional-config", json.dumps({"draft_layers": args.draft_layers}))
+            return Server((*command, *gguf, *spec))
         return Server((*command, "--dtype", args.dtype))  # dequantised to the dtype
     if system == "vllm":
         vllm_args = ["--served-model-name", DEFAULT_MODEL_NAME, "--max-model-len", "2048",
@@ -198,7 +208,7 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
             tag = f"{system}-{case}-c{concurrency}"
             detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
             counters = padding_counters(url) if system.startswith("ours") else {}
-            drafts = spec_counters(url) if system == "ours-ngram" else {}
+            drafts = spec_counters(url) if system in SPEC_SYSTEMS else {}
             r = run_vllm_bench(
                 url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
                 seed=seed, extra_args=(*spec.bench_args, *detailed, *case_extra),
@@ -220,7 +230,7 @@ def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]
             if system.startswith("ours"):
                 time.sleep(1.5)  # the worker writes its counters about once a second
                 print(f"{tag}: {padding_waste(counters, padding_counters(url))}")
-            if system == "ours-ngram":
+            if system in SPEC_SYSTEMS:
                 print(f"{tag}: {acceptance(drafts, spec_counters(url))}")
         memory = server_memory(port)
     return startup, results, memory
@@ -295,7 +305,7 @@ def print_table(runs: dict, systems: list[str], args) -> None:
     for system in systems:
         weights = f"{args.dtype}, dequantised from the bundled GGUF"
         gguf = find_default_gguf()
-        if system in ("ours", "ours-ngram"):
+        if system in ("ours", *SPEC_SYSTEMS):
             weights = f"the bundled GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} compute"
         if system == "llamacpp":
             weights = f"{args.llamacpp.label}, the bundled GGUF itself ({gguf_file_type(gguf)})"
@@ -314,6 +324,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-stream", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--serve-args", default="", help="extra flags for every vllm-aot serve")
+    parser.add_argument("--draft-layers", type=int, default=None, help="ours-self's draft")
     parser.add_argument(
         "--llamacpp-server", choices=KINDS, default=None, help="default: native if built"
     )

@@ -1,13 +1,15 @@
-"""Speculative decoding A/B on a shared machine: ours with and without n-gram drafts, interleaved.
+"""Speculative decoding A/B on a shared machine: ours with and without drafts, interleaved.
 
     .venv/bin/python bench/spec_bench.py [--cases copy,128x128] [--concurrency 1]
                                          [--rounds 3] [--serve-args "--max-num-seqs 8"]
+                                         [--against ours-ngram|ours-self] [--draft-layers N]
 
 perf_bench runs one system after the other, so on a machine other people load the two systems
-meet different loads. Here both servers (`perf_bench.server`'s `ours` and `ours-ngram`, the
-bundled GGUF, same shapes) are started first and stay up; each round then runs every case once
-on each, alternating which goes first, so both see the same load in turn. Prints each run's
-output tok/s, the per-case medians and the ngram/plain ratio, and the drafts' acceptance per
+meet different loads. Here both servers (`perf_bench.server`'s `ours` and `--against`: n-gram
+drafts, or a self-speculative draft from the first `--draft-layers` layers; the bundled GGUF,
+same shapes) are started first and stay up; each round then runs every case once on each,
+alternating which goes first, so both see the same load in turn. Prints each run's output
+tok/s, the per-case medians and the speculative/plain ratio, and the drafts' acceptance per
 position over all rounds (vLLM's spec-decode counters).
 """
 
@@ -27,8 +29,6 @@ from serve_bench import run_vllm_bench
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
 from vllm_aot.testing import free_port, running_server
 
-SYSTEMS = ("ours", "ours-ngram")
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,25 +39,28 @@ def main() -> None:
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--against", default="ours-ngram", choices=["ours-ngram", "ours-self"])
+    parser.add_argument("--draft-layers", type=int, default=None)
     args = parser.parse_args()
+    systems = ("ours", args.against)
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="vllm-aot-spec-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     model = prepare_default_model()
     cases = args.cases.split(",")
-    tok_s: dict[tuple[str, str], list[float]] = {(s, c): [] for s in SYSTEMS for c in cases}
+    tok_s: dict[tuple[str, str], list[float]] = {(s, c): [] for s in systems for c in cases}
     with contextlib.ExitStack() as stack:
         urls = {}
-        for system in SYSTEMS:
+        for system in systems:
             port = free_port()
             spec = server(system, model, port, args)
             log = out_dir / f"{system}-serve.log"
             urls[system] = stack.enter_context(
                 running_server(spec.command, port=port, log_path=log, timeout=1800)
             )
-        before = spec_counters(urls["ours-ngram"])
+        before = spec_counters(urls[args.against])
         seed = 0
         for round_ in range(args.rounds):
-            order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
+            order = systems if round_ % 2 == 0 else systems[::-1]
             for case in cases:
                 seed += 1
                 for system in order:
@@ -75,13 +78,13 @@ def main() -> None:
                     )  # fmt: skip
                     tok_s[(system, case)].append(r["output_throughput"])
                     print(f"{tag}: {r['output_throughput']:.1f} tok/s", flush=True)
-        print(f"drafts over all rounds: {acceptance(before, spec_counters(urls['ours-ngram']))}")
+        print(f"drafts over all rounds: {acceptance(before, spec_counters(urls[args.against]))}")
     for case in cases:
         plain = statistics.median(tok_s[("ours", case)])
-        ngram = statistics.median(tok_s[("ours-ngram", case)])
+        spec = statistics.median(tok_s[(args.against, case)])
         print(
-            f"{case} x{args.concurrency}: ours {plain:.1f} tok/s, ours-ngram {ngram:.1f} tok/s "
-            f"(medians of {args.rounds}): {ngram / plain:.2f}x"
+            f"{case} x{args.concurrency}: ours {plain:.1f} tok/s, {args.against} {spec:.1f} "
+            f"tok/s (medians of {args.rounds}): {spec / plain:.2f}x"
         )
     print(f"results and logs in {out_dir}")
 

@@ -141,11 +141,19 @@ def test_ngram_greedy_text_is_byte_identical_on_the_tiny_model(tiny_model_dirs, 
 
 
 @pytest.mark.slow
-def test_ngram_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path):
-    """The end-to-end chat prompts and the copy-heavy set, SmolLM2 in float32."""
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path, method):
+    """The end-to-end chat prompts and the copy-heavy set, SmolLM2 in float32: n-gram drafts,
+    and the first 8 of its 30 layers drafting for it."""
     from vllm_aot.accuracy.prompts import CHAT_PROMPTS
 
-    _check_identical(default_model_dir, [*CHAT_PROMPTS, *COPY_PROMPTS], 64, tmp_path)
+    prompts = [*CHAT_PROMPTS, *COPY_PROMPTS]
+    if method == "ngram":
+        _check_identical(default_model_dir, prompts, 64, tmp_path)
+        return
+    spec = _self_draft(default_model_dir)
+    additional = {"draft_layers": 8}
+    _check_identical(default_model_dir, prompts, 64, tmp_path, spec=spec, additional=additional)
 
 
 def _self_draft(model_dir) -> dict:

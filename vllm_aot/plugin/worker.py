@@ -152,24 +152,26 @@ class AotWorker(WorkerBase):
         """KV budget: VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes when set, else
         --gpu-memory-utilization of this machine's memory minus what this process uses, capped
         at twice what max_num_seqs full-length sequences need (the rest would be zeroed memory
-        that only the prefix cache could ever use)."""
+        that only the prefix cache could ever use). A draft model's pool, of as many blocks,
+        takes its share of the budget."""
         if self.arch.is_encoder:
             return 0
-        explicit = self.cache_config.kv_cache_memory_bytes
-        if explicit:
-            return int(explicit)
-        total = psutil.virtual_memory().total
-        used = psutil.Process().memory_info().rss
-        budget = max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
         runtime = self.options.runtime
         bytes_per_token = (
             2 * self.arch.num_layers * self.local_arch.kv_size * runtime.kv_torch_dtype.itemsize
         )
-        useful = 2 * runtime.max_num_seqs * runtime.max_model_len * bytes_per_token
-        if self.draft_loaded is not None:  # its pool has as many blocks: vLLM's share shrinks
+        draft_bytes = 0
+        if self.draft_loaded is not None:
             draft = self.draft_loaded.arch
             draft_bytes = 2 * draft.num_layers * draft.kv_size * runtime.kv_torch_dtype.itemsize
-            budget = budget * bytes_per_token // (bytes_per_token + draft_bytes)
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit:
+            return int(explicit) * bytes_per_token // (bytes_per_token + draft_bytes)
+        total = psutil.virtual_memory().total
+        used = psutil.Process().memory_info().rss
+        budget = max(0, int(total * self.cache_config.gpu_memory_utilization) - used)
+        budget = budget * bytes_per_token // (bytes_per_token + draft_bytes)
+        useful = 2 * runtime.max_num_seqs * runtime.max_model_len * bytes_per_token
         return min(budget, useful)
 
     def initialize_from_config(self, kv_cache_config) -> None:
