@@ -94,3 +94,28 @@ def test_a_draft_model_catches_up_on_what_it_has_not_seen(deep_dir, tiny_model_d
     assert draft.propose([DraftRow("r", tokens, blocks, 1)])["r"] == _hf_greedy(
         draft_dir, tokens, 1
     )
+
+
+def test_the_gate_pauses_a_request_whose_drafts_keep_failing():
+    """Four verify steps accepting nothing pause drafting for 16 steps, then 32 after failing
+    again; drafts that pay keep it open; each request is judged alone."""
+    from vllm_aot.runtime.draft import DraftGate
+
+    gate = DraftGate(window=4, min_accepted=0.5, first_pause=16, max_pause=256)
+    tokens = {"bad": [1, 2, 3], "good": [1, 2, 3]}
+
+    def step(req_id: str) -> bool:
+        """One step: the request drafts [7, 8] if allowed; 'good' gets both accepted."""
+        allowed = gate.allows(req_id, tokens[req_id])
+        if allowed:
+            gate.drafted(req_id, len(tokens[req_id]), [7, 8])
+        tokens[req_id] += [7, 8, 9] if req_id == "good" and allowed else [5]
+        return allowed
+
+    assert [step("bad") for _ in range(4)] == [True] * 4
+    assert not any(step("bad") for _ in range(16))
+    assert [step("bad") for _ in range(4)] == [True] * 4
+    assert sum(step("bad") for _ in range(32)) == 0 and step("bad")
+    assert all(step("good") for _ in range(40))
+    gate.forget("bad")
+    assert step("bad")

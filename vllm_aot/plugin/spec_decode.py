@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_aot.runtime.config import MAX_SPECULATIVE_TOKENS
-from vllm_aot.runtime.draft import DraftRow, ModelDraft
+from vllm_aot.runtime.draft import DraftGate, DraftRow, ModelDraft
 from vllm_aot.runtime.inputs import VerifyRow
 
 if TYPE_CHECKING:  # the platform imports this module while vLLM's config is still loading
@@ -149,14 +149,15 @@ def wants_drafts(request: CachedRequest) -> bool:
     )
 
 
-def _num_drafts(request: CachedRequest, k: int, max_model_len: int) -> int:
-    """Drafts a request may take: none unless it `wants_drafts`; never a position the verify
-    step cannot compute (past max_tokens or max_model_len)."""
-    if not wants_drafts(request):
+def _num_drafts(request: CachedRequest, k: int, max_model_len: int, gate: DraftGate) -> int:
+    """Drafts a request may take: none unless it `wants_drafts` and its drafts have been paying
+    (`gate`); never a position the verify step cannot compute (past max_tokens or
+    max_model_len)."""
+    tokens = request.all_token_ids
+    if not gate.allows(request.req_id, tokens) or not wants_drafts(request):
         return 0
     remaining = request.max_tokens - len(request.output_token_ids)
-    num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-    return max(0, min(k, remaining - 1, max_model_len - num_tokens))
+    return max(0, min(k, remaining - 1, max_model_len - len(tokens)))
 
 
 class ModelDrafter:
@@ -169,20 +170,24 @@ class ModelDrafter:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.draft = draft
         self.max_rows = max_rows
+        self.gate = DraftGate()
 
     def forget(self, req_id: str) -> None:
         self.draft.forget(req_id)
+        self.gate.forget(req_id)
 
     def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
         from vllm.v1.outputs import DraftTokenIds
 
         rows = []
         for request in requests:
-            n = _num_drafts(request, self.k, self.max_model_len)
+            n = _num_drafts(request, self.k, self.max_model_len, self.gate)
             if n and (self.draft.shares_kv or request.prompt_embeds is None):
-                tokens = [*request.prompt_token_ids, *request.output_token_ids]
+                tokens = request.all_token_ids
                 rows.append(DraftRow(request.req_id, tokens, request.block_table, n))
         drafts = self.draft.propose(rows) if len(rows) <= self.max_rows else {}
+        for row in rows:
+            self.gate.drafted(row.req_id, len(row.tokens), drafts.get(row.req_id, ()))
         return DraftTokenIds(
             [r.req_id for r in requests], [drafts.get(r.req_id, []) for r in requests]
         )
@@ -205,9 +210,10 @@ class NgramDrafter:
         self.max_model_len = vllm_config.model_config.max_model_len
         self._propose_one = propose_one
         self._propose_one(np.zeros(8, dtype=np.int32), self.min_n, self.max_n, 8, self.k)  # JIT
+        self.gate = DraftGate()
 
     def forget(self, req_id: str) -> None:
-        """Nothing is kept per request."""
+        self.gate.forget(req_id)
 
     def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
         """Up to k drafts each, capped so a step never computes past the request's max_tokens."""
@@ -215,11 +221,12 @@ class NgramDrafter:
 
         drafts = []
         for request in requests:
-            n = _num_drafts(request, self.k, self.max_model_len)
+            n = _num_drafts(request, self.k, self.max_model_len, self.gate)
             if not n:
                 drafts.append([])
                 continue
-            tokens = np.array(request.prompt_token_ids + request.output_token_ids, np.int32)
+            tokens = np.array(request.all_token_ids, np.int32)
             found = self._propose_one(tokens, self.min_n, self.max_n, self.max_model_len, self.k)
             drafts.append(found[:n].tolist())
+            self.gate.drafted(request.req_id, len(tokens), drafts[-1])
         return DraftTokenIds([r.req_id for r in requests], drafts)

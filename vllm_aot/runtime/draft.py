@@ -130,3 +130,74 @@ class ModelDraft:
         assert hidden is not None
         sampled = self.model.sample(hidden, [RowSampling(GREEDY, 0, end)])
         return int(sampled.tokens[0])
+
+
+@dataclass
+class _GateState:
+    history: list[int]  # accepted drafts of each verify step since the last decision
+    pause: int = 0  # the last pause's length (0: none yet)
+    left: int = 0  # steps still paused
+    last: tuple[int, tuple[int, ...]] | None = None  # (tokens when drafted, the drafts)
+
+
+class DraftGate:
+    """Which requests draft this step: a request whose drafts keep failing stops drafting.
+
+    After each `window` verify steps a request drafted in, if they accepted fewer than
+    `min_accepted` drafts a step on average, it drafts nothing for a pause (`first_pause` steps,
+    doubling each time it fails again, at most `max_pause`), then tries again. Drafts that fail
+    cost their passes and a verify step each time (several decode steps), so text a drafter
+    cannot guess (prompt lookup on new prose, an early exit that rarely agrees) soon decodes at
+    plain speed. How many were accepted is read from the request's tokens: the drafts that
+    reappear in order after the position they were drafted for (a verify step's correction is
+    never the draft it replaces)."""
+
+    def __init__(
+        self,
+        window: int = 4,
+        min_accepted: float = 0.5,
+        first_pause: int = 16,
+        max_pause: int = 256,
+    ) -> None:
+        self.window = window
+        self.min_accepted = min_accepted
+        self.first_pause = first_pause
+        self.max_pause = max_pause
+        self._states: dict[str, _GateState] = {}
+
+    def forget(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+
+    def allows(self, req_id: str, tokens: Sequence[int]) -> bool:
+        """Whether the request, whose tokens are now `tokens`, drafts this step (its last
+        drafts' outcome recorded first)."""
+        state = self._states.setdefault(req_id, _GateState([]))
+        if state.last is not None:
+            start, drafts = state.last
+            state.last = None
+            accepted = 0
+            while accepted < len(drafts) and start + accepted < len(tokens):
+                if tokens[start + accepted] != drafts[accepted]:
+                    break
+                accepted += 1
+            self._record(state, accepted)
+        if state.left > 0:
+            state.left -= 1
+            return False
+        return True
+
+    def drafted(self, req_id: str, num_tokens: int, drafts: Sequence[int]) -> None:
+        """The request drafted `drafts` for the positions from `num_tokens` on."""
+        if drafts:
+            self._states.setdefault(req_id, _GateState([])).last = (num_tokens, tuple(drafts))
+
+    def _record(self, state: _GateState, accepted: int) -> None:
+        state.history.append(accepted)
+        if len(state.history) < self.window:
+            return
+        if sum(state.history) < self.min_accepted * len(state.history):
+            state.pause = min(self.max_pause, 2 * state.pause or self.first_pause)
+            state.left = state.pause
+        else:
+            state.pause = 0
+        state.history.clear()

@@ -35,6 +35,11 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The prompt's tokens, then the generated ones."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
     def token(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
         if position < num_prompt:
