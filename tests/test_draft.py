@@ -119,3 +119,21 @@ def test_the_gate_pauses_a_request_whose_drafts_keep_failing():
     assert all(step("good") for _ in range(40))
     gate.forget("bad")
     assert step("bad")
+
+
+def test_a_shared_gate_starts_new_requests_where_the_last_decision_left_off():
+    """A draft model's gate: after one request's drafts failed, the next request starts paused
+    as long; after drafts that paid, it starts open."""
+    from vllm_aot.runtime.draft import DraftGate
+
+    gate = DraftGate(window=2, first_pause=8, is_shared=True)
+    for step in range(3):  # two failing verify steps, then the decision
+        assert gate.allows("a", [1] * (3 + step)) == (step < 2)
+        gate.drafted("a", 3 + step, [7])
+    assert not any(gate.allows("b", [1, 2]) for _ in range(8)) and gate.allows("b", [1, 2])
+    tokens = [1, 2]
+    for _ in range(11):  # c starts paused too, then two verify steps accept its draft
+        if gate.allows("c", tokens):
+            gate.drafted("c", len(tokens), [7])
+        tokens = [*tokens, 7]
+    assert gate.allows("d", [1, 2])

@@ -170,7 +170,7 @@ class ModelDrafter:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.draft = draft
         self.max_rows = max_rows
-        self.gate = DraftGate()
+        self.gate = DraftGate(is_shared=True)
 
     def forget(self, req_id: str) -> None:
         self.draft.forget(req_id)

@@ -150,7 +150,11 @@ class DraftGate:
     cannot guess (prompt lookup on new prose, an early exit that rarely agrees) soon decodes at
     plain speed. How many were accepted is read from the request's tokens: the drafts that
     reappear in order after the position they were drafted for (a verify step's correction is
-    never the draft it replaces)."""
+    never the draft it replaces).
+
+    With `is_shared` (a draft model: whether it agrees with the target is mostly a property of
+    the pair, not of one request's text), a new request starts where the last decision left
+    off: paused as long as the last failing request was, open after one whose drafts paid."""
 
     def __init__(
         self,
@@ -158,11 +162,15 @@ class DraftGate:
         min_accepted: float = 0.5,
         first_pause: int = 16,
         max_pause: int = 256,
+        *,
+        is_shared: bool = False,
     ) -> None:
         self.window = window
         self.min_accepted = min_accepted
         self.first_pause = first_pause
         self.max_pause = max_pause
+        self.is_shared = is_shared
+        self._last_pause = 0  # the last decision's pause (0: drafts paid)
         self._states: dict[str, _GateState] = {}
 
     def forget(self, req_id: str) -> None:
@@ -171,7 +179,10 @@ class DraftGate:
     def allows(self, req_id: str, tokens: Sequence[int]) -> bool:
         """Whether the request, whose tokens are now `tokens`, drafts this step (its last
         drafts' outcome recorded first)."""
-        state = self._states.setdefault(req_id, _GateState([]))
+        state = self._states.get(req_id)
+        if state is None:
+            pause = self._last_pause if self.is_shared else 0
+            state = self._states[req_id] = _GateState([], pause=pause, left=pause)
         if state.last is not None:
             start, drafts = state.last
             state.last = None
@@ -201,3 +212,4 @@ class DraftGate:
         else:
             state.pause = 0
         state.history.clear()
+        self._last_pause = state.pause
