@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -158,7 +160,6 @@ def test_options_take_the_drafts_from_the_speculative_config(tiny_model_dirs):
 def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():
     """The tokens after the earlier occurrence of the last n-gram, capped by max_tokens; none
     for rows whose tokens come from the host (penalties)."""
-    from types import SimpleNamespace
 
     from vllm.sampling_params import SamplingParams as VllmParams
 
@@ -184,3 +185,35 @@ def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():
     drafts = drafter.propose(requests)
     assert drafts.req_ids == ["a", "b", "c"]
     assert drafts.draft_token_ids == [[7, 8, 9, 10], [7, 8], []]
+
+
+def test_draft_models_the_runtime_cannot_serve_are_refused_naming_what_is_supported():
+    """A draft of an unsupported (or encoder) architecture, of another vocabulary, quantized, or
+    under tensor parallelism: each refused at start with what is supported; the target itself
+    (self-speculation) is always a fit."""
+    from vllm_aot.plugin.spec_decode import speculative_problems
+
+    def config(vocab, arch="LlamaForCausalLM"):
+        return SimpleNamespace(hf_config=SimpleNamespace(vocab_size=vocab, architectures=[arch]))
+
+    target = SimpleNamespace(model="/target", **vars(config(100)))
+
+    def spec(model="/draft", draft=None, quantization=None):
+        return SimpleNamespace(
+            method="draft_model",
+            num_speculative_tokens=3,
+            model=model,
+            target_model_config=target,
+            draft_model_config=draft or config(100),
+            quantization=quantization,
+        )
+
+    assert speculative_problems(spec(), target) == []
+    assert speculative_problems(spec("/target", config(7, "BertModel")), target) == []
+    bert = speculative_problems(spec(draft=config(100, "BertModel")), target)
+    assert len(bert) == 1 and "draft model architecture ['BertModel']" in bert[0]
+    assert "LlamaForCausalLM" in bert[0]
+    vocab = speculative_problems(spec(draft=config(50)), target)
+    assert vocab == ["draft model vocabulary 50 (supported: the target's, 100)"]
+    assert "quantized draft" in speculative_problems(spec(quantization="fp8"), target)[0]
+    assert "supported: 1" in speculative_problems(spec(), target, tensor_parallel_size=2)[0]

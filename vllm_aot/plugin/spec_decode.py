@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm_aot.models.registry import encoder_architectures, supported_architectures
 from vllm_aot.runtime.config import MAX_SPECULATIVE_TOKENS
 from vllm_aot.runtime.draft import DraftGate, DraftRow, ModelDraft
 from vllm_aot.runtime.inputs import VerifyRow
@@ -74,6 +75,10 @@ def _draft_model_problems(spec_config, model_config, tensor_parallel_size: int) 
         )
     draft = spec_config.draft_model_config
     if model_config is not None and draft is not None and not is_self_draft(spec_config):
+        archs = list(getattr(draft.hf_config, "architectures", None) or [])
+        decoders = sorted(set(supported_architectures()) - set(encoder_architectures()))
+        if not set(archs) & set(decoders):
+            problems.append(f"draft model architecture {archs} (supported: {', '.join(decoders)})")
         target_vocab = model_config.hf_config.vocab_size
         if draft.hf_config.vocab_size != target_vocab:
             problems.append(
