@@ -144,7 +144,8 @@ def test_ngram_greedy_text_is_byte_identical_on_the_tiny_model(tiny_model_dirs, 
 @pytest.mark.parametrize("method", ["ngram", "self"])
 def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path, method):
     """The end-to-end chat prompts and the copy-heavy set, SmolLM2 in float32: n-gram drafts,
-    and the first 8 of its 30 layers drafting for it."""
+    and the first 24 of its 30 layers drafting for it (fewer agree with the whole too rarely
+    for a draft to be accepted before the gate stops them: docs/benchmarks.md)."""
     from vllm_aot.accuracy.prompts import CHAT_PROMPTS
 
     prompts = [*CHAT_PROMPTS, *COPY_PROMPTS]
@@ -152,7 +153,7 @@ def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path, m
         _check_identical(default_model_dir, prompts, 64, tmp_path)
         return
     spec = _self_draft(default_model_dir)
-    additional = {"draft_layers": 8}
+    additional = {"draft_layers": 24}
     _check_identical(default_model_dir, prompts, 64, tmp_path, spec=spec, additional=additional)
 
 
