@@ -154,11 +154,12 @@ def wants_drafts(request: CachedRequest) -> bool:
     )
 
 
-def _num_drafts(request: CachedRequest, k: int, max_model_len: int, gate: DraftGate) -> int:
-    """Drafts a request may take: none unless it `wants_drafts` and its drafts have been paying
-    (`gate`); never a position the verify step cannot compute (past max_tokens or
-    max_model_len)."""
-    tokens = request.all_token_ids
+def _num_drafts(
+    request: CachedRequest, tokens: Sequence[int], k: int, max_model_len: int, gate: DraftGate
+) -> int:
+    """Drafts a request, whose tokens are now `tokens`, may take: none unless it `wants_drafts`
+    and its drafts have been paying (`gate`); never a position the verify step cannot compute
+    (past max_tokens or max_model_len)."""
     if not gate.allows(request.req_id, tokens) or not wants_drafts(request):
         return 0
     remaining = request.max_tokens - len(request.output_token_ids)
@@ -186,9 +187,9 @@ class ModelDrafter:
 
         rows = []
         for request in requests:
-            n = _num_drafts(request, self.k, self.max_model_len, self.gate)
+            tokens = request.all_token_ids
+            n = _num_drafts(request, tokens, self.k, self.max_model_len, self.gate)
             if n and (self.draft.shares_kv or request.prompt_embeds is None):
-                tokens = request.all_token_ids
                 rows.append(DraftRow(request.req_id, tokens, request.block_table, n))
         drafts = self.draft.propose(rows) if len(rows) <= self.max_rows else {}
         for row in rows:
@@ -226,11 +227,12 @@ class NgramDrafter:
 
         drafts = []
         for request in requests:
-            n = _num_drafts(request, self.k, self.max_model_len, self.gate)
+            all_tokens = request.all_token_ids
+            n = _num_drafts(request, all_tokens, self.k, self.max_model_len, self.gate)
             if not n:
                 drafts.append([])
                 continue
-            tokens = np.array(request.all_token_ids, np.int32)
+            tokens = np.array(all_tokens, np.int32)
             found = self._propose_one(tokens, self.min_n, self.max_n, self.max_model_len, self.k)
             drafts.append(found[:n].tolist())
             self.gate.drafted(request.req_id, len(tokens), drafts[-1])
