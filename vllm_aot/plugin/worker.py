@@ -157,13 +157,12 @@ class AotWorker(WorkerBase):
         if self.arch.is_encoder:
             return 0
         runtime = self.options.runtime
-        bytes_per_token = (
-            2 * self.arch.num_layers * self.local_arch.kv_size * runtime.kv_torch_dtype.itemsize
-        )
-        draft_bytes = 0
-        if self.draft_loaded is not None:
-            draft = self.draft_loaded.arch
-            draft_bytes = 2 * draft.num_layers * draft.kv_size * runtime.kv_torch_dtype.itemsize
+
+        def kv_bytes_per_token(arch: ModelArch) -> int:  # K and V of every layer
+            return 2 * arch.num_layers * arch.kv_size * runtime.kv_torch_dtype.itemsize
+
+        bytes_per_token = kv_bytes_per_token(self.local_arch)
+        draft_bytes = 0 if self.draft_loaded is None else kv_bytes_per_token(self.draft_loaded.arch)
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit:
             return int(explicit) * bytes_per_token // (bytes_per_token + draft_bytes)
