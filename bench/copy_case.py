@@ -2,7 +2,10 @@
 
 The `copy` case is chat requests asking to repeat, correct or rewrite a given paragraph
 (`COPY_PROMPTS`), greedy, 128 tokens with ignore-eos: what editing and summarising a given text
-looks like, where prompt-lookup (n-gram) drafts match.
+looks like, where prompt-lookup (n-gram) drafts match. The paragraph is long enough (about 190
+tokens) that every answer is still going at its 128th token, so the case measures the answers
+themselves: with the first, 80-token paragraph a third of each request's tokens came after the
+model's end of turn (ignore-eos), a new conversation it made up, which no lookup can draft.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ _TEXT = (
     "The lighthouse stood on a narrow spit of rock at the mouth of the bay. Every evening the "
     "keeper climbed its one hundred and twelve steps, trimmed the wick, polished the great lens "
     "and lit the lamp, and every morning he wrote the weather, the ships he had seen and the "
-    "state of the sea in a leather logbook that his grandfather had started sixty years before."
+    "state of the sea in a leather logbook that his grandfather had started sixty years before. "
+    "In the winter storms the waves broke over the gallery rail, and the salt crusted the "
+    "windows so thickly that he had to scrape them clean twice in a single night. In the summer "
+    "the fishing boats came in late, their lanterns bobbing on the dark water, and he counted "
+    "them one by one until the last of them was safely inside the harbour wall."
 )
 COPY_PROMPTS = (
     f"Repeat the following text exactly, word for word:\n\n{_TEXT}",

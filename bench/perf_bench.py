@@ -4,7 +4,7 @@
                                          [--systems ours,ours-bf16,ours-ngram,ours-self,vllm,
                                                     llamacpp]
                                          [--serve-args "--max-num-seqs 8"]
-                                         [--dtype bfloat16]
+                                         [--dtype bfloat16] [--num-speculative-tokens K]
                                          [--llamacpp-server native|python]
 
 Each system is started once (start-up: launch to its first successful health request), then
@@ -96,10 +96,12 @@ def server(system: str, model: Path, port: int, args) -> Server:
         gguf = ("--quantization", "gguf", "--dtype", args.dtype)
         if system == "ours":  # the bundled GGUF's blocks as they are: serve's default
             return Server((*command, *gguf))
+        k = {"num_speculative_tokens": args.num_speculative_tokens}
         if system == "ours-ngram":
-            return Server((*command, *gguf, "--speculative-config", json.dumps(NGRAM_CONFIG)))
+            spec = ("--speculative-config", json.dumps(NGRAM_CONFIG | k))
+            return Server((*command, *gguf, *spec))
         if system == "ours-self":
-            spec = ("--speculative-config", json.dumps(SELF_SPEC_CONFIG))
+            spec = ("--speculative-config", json.dumps(SELF_SPEC_CONFIG | k))
             if args.draft_layers:  # else the platform's default, half the layers
                 spec += ("--additional-config", json.dumps({"draft_layers": args.draft_layers}))
             return Server((*command, *gguf, *spec))
@@ -325,6 +327,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--serve-args", default="", help="extra flags for every vllm-aot serve")
     parser.add_argument("--draft-layers", type=int, default=None, help="ours-self's draft")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts a step")
     parser.add_argument(
         "--llamacpp-server", choices=KINDS, default=None, help="default: native if built"
     )

@@ -3,6 +3,7 @@
     .venv/bin/python bench/spec_bench.py [--cases copy,128x128] [--concurrency 1]
                                          [--rounds 3] [--serve-args "--max-num-seqs 8"]
                                          [--against ours-ngram|ours-self] [--draft-layers N]
+                                         [--num-speculative-tokens K]
 
 perf_bench runs one system after the other, so on a machine other people load the two systems
 meet different loads. Here both servers (`perf_bench.server`'s `ours` and `--against`: n-gram
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--against", default="ours-ngram", choices=["ours-ngram", "ours-self"])
     parser.add_argument("--draft-layers", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts a step")
     args = parser.parse_args()
     systems = ("ours", args.against)
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="vllm-aot-spec-"))
