@@ -55,7 +55,7 @@ from serve_bench import run_vllm_bench
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-SYSTEMS = ("ours", "ours-bf16", "ours-ngram", "ours-self", "vllm", "llamacpp")
+SYSTEMS = ("ours", "ours-sync", "ours-bf16", "ours-ngram", "ours-self", "vllm", "llamacpp")
 SPEC_SYSTEMS = ("ours-ngram", "ours-self")
 NGRAM_CONFIG = {
     "method": "ngram",
@@ -96,6 +96,8 @@ def server(system: str, model: Path, port: int, args) -> Server:
         gguf = ("--quantization", "gguf", "--dtype", args.dtype)
         if system == "ours":  # the bundled GGUF's blocks as they are: serve's default
             return Server((*command, *gguf))
+        if system == "ours-sync":  # the same, scheduled synchronously
+            return Server((*command, *gguf, "--no-async-scheduling"))
         k = {"num_speculative_tokens": args.num_speculative_tokens}
         if system == "ours-ngram":
             spec = ("--speculative-config", json.dumps(NGRAM_CONFIG | k))

@@ -40,7 +40,9 @@ def main() -> None:
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--against", default="ours-ngram", choices=["ours-ngram", "ours-self"])
+    parser.add_argument(
+        "--against", default="ours-ngram", choices=["ours-ngram", "ours-self", "ours-sync"]
+    )
     parser.add_argument("--draft-layers", type=int, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts a step")
     args = parser.parse_args()
