@@ -1,8 +1,8 @@
 """Serving performance side by side: vllm-aot, vLLM's own CPU backend and llama.cpp, in one run.
 
     .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128,copy]
-                                         [--systems ours,ours-bf16,ours-ngram,ours-self,vllm,
-                                                    llamacpp]
+                                         [--systems ours,ours-sync,ours-bf16,ours-ngram,
+                                                    ours-self,vllm,llamacpp]
                                          [--serve-args "--max-num-seqs 8"]
                                          [--dtype bfloat16] [--num-speculative-tokens K]
                                          [--llamacpp-server native|python]
@@ -12,7 +12,8 @@ driven by `vllm bench serve` (random data, ignore-eos, streaming /v1/completions
 and concurrency, with `--prompts-per-stream` prompts per concurrent stream and one seed per run
 (the same prompts for every system, no prompt repeated from an earlier run). Ours is `vllm-aot
 serve` on the bundled GGUF's blocks (`--quantization gguf`, its default; `ours-bf16`, not run
-by default, serves the same weights dequantised to the dtype), programs from the compile cache;
+by default, serves the same weights dequantised to the dtype; `ours-sync`, the GGUF scheduled
+synchronously, `--no-async-scheduling`), programs from the compile cache;
 vLLM's is the same vLLM with our plugin off
 (`VLLM_PLUGINS=none`) at its better core setting (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`,
 docs/benchmarking.md); llama.cpp is the build of scripts/setup_llamacpp.sh serving the bundled
@@ -23,10 +24,11 @@ each server's memory (proportional set size of all its processes) after its runs
 TTFT p99 per system and concurrency into `perf.png` beside the logs (bench/perf_plot.py).
 
 Speculative decoding: `ours-ngram` is ours with `--speculative-config` n-gram drafts
-(`NGRAM_CONFIG`); for it every run also prints vLLM's spec-decode counters (drafts, accepted
-tokens, acceptance per position). The `copy` case is copy-heavy: chat requests asking to repeat,
-correct or continue a given text (`COPY_PROMPTS`, greedy, 128 tokens, ignore-eos), where n-gram
-drafts match; the random cases are where they hardly ever do (what speculation costs there).
+(`NGRAM_CONFIG`, `--num-speculative-tokens` drafts a step); for it every run also prints vLLM's
+spec-decode counters (drafts, accepted tokens, acceptance per position). The `copy` case is
+copy-heavy: chat requests asking to repeat, correct or continue a given ~190-token paragraph
+(`COPY_PROMPTS`, greedy, 128 tokens, ignore-eos), where n-gram drafts match; the random cases
+are where they hardly ever do (what speculation costs there).
 `ours-self` is ours with a self-speculative draft (`SELF_SPEC_CONFIG`: `method: draft_model`
 naming no model, so the served model drafts for itself from its first `--draft-layers` layers).
 `--serve-args` go to every `vllm-aot serve` (the same shapes for ours and ours-ngram).
