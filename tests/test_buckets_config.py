@@ -31,12 +31,12 @@ def test_default_buckets_cover_the_limits():
     assert config.decode_batch_buckets == (1, 2, 4, 8, 16, 32)
     assert config.decode_context_buckets == (256, 1024, 2048)
     assert config.prefill_token_buckets == (32, 128, 512)
-    assert config.prefill_context_buckets == (0, 256, 1024, 2048)  # 0: a fresh prompt's
+    assert config.prefill_context_buckets == (0, 256, 512, 1024, 2048)  # 0: a fresh prompt's
     names = [key.name for key in all_program_keys(config)]
     assert "decode_b8_c1024" in names and "prefill_t512_c2048" in names
     assert "prefill_t128_c0" in names
     assert "greedy_r32" in names and "sample_r1" in names
-    assert len(names) == len(set(names)) == 12 + 18 + 12
+    assert len(names) == len(set(names)) == 15 + 18 + 12
 
 
 @pytest.mark.parametrize(
