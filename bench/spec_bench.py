@@ -2,16 +2,16 @@
 
     .venv/bin/python bench/spec_bench.py [--cases copy,128x128] [--concurrency 1]
                                          [--rounds 3] [--serve-args "--max-num-seqs 8"]
-                                         [--against ours-ngram|ours-self] [--draft-layers N]
-                                         [--num-speculative-tokens K]
+                                         [--against ours-ngram|ours-self|ours-sync]
+                                         [--draft-layers N] [--num-speculative-tokens K]
 
 perf_bench runs one system after the other, so on a machine other people load the two systems
 meet different loads. Here both servers (`perf_bench.server`'s `ours` and `--against`: n-gram
-drafts, or a self-speculative draft from the first `--draft-layers` layers; the bundled GGUF,
-same shapes) are started first and stay up; each round then runs every case once on each,
-alternating which goes first, so both see the same load in turn. Prints each run's output
-tok/s, the per-case medians and the speculative/plain ratio, and the drafts' acceptance per
-position over all rounds (vLLM's spec-decode counters).
+drafts, a self-speculative draft from the first `--draft-layers` layers, or no drafts but
+synchronous scheduling; the bundled GGUF, same shapes) are started first and stay up; each
+round then runs every case once on each, alternating which goes first, so both see the same
+load in turn. Prints each run's output tok/s, the per-case medians and the ratio, and the
+drafts' acceptance per position over all rounds (vLLM's spec-decode counters).
 """
 
 from __future__ import annotations
