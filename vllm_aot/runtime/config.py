@@ -118,10 +118,10 @@ class RuntimeConfig:
             # A fresh prompt reads no cache: its own bucket (0) spares it attending over padded
             # keys at all (a 128-token prompt against 128 keys, not 256 + 128). Later chunks of a
             # long prompt read what earlier chunks wrote, and prefill attention pays for its
-            # whole bucket: by twos, so a chunk never reads more than twice its context, and a
-            # long prompt's chunks (contexts 512, 1024, 2048 with 512-token chunks) fit exactly
-            # (a 1024-token prompt's second chunk against 512 + 512 keys, not 1024 + 512: its
-            # prefill 870 -> 688 ms on SmolLM2, for three more programs).
+            # whole bucket: by twos, so past 128 cached tokens a chunk reads less than twice its
+            # context, and with 512-token chunks the contexts 512 and 1024 fit exactly (1536
+            # reads 2048). A 1024-token prompt's second chunk attends over 512 + 512 keys, not
+            # 1024 + 512: its prefill 870 -> 688 ms on SmolLM2, for three more programs.
             "prefill_context_buckets": (
                 (0, *powers_of_two(min(256, self.max_model_len), self.max_model_len)),
                 self.max_model_len,
