@@ -1,14 +1,18 @@
 """Async scheduling (vLLM's default, the shared `tiny_server`) against `--no-async-scheduling`:
-the same answers, streamed together, and a stop string lands at the same character."""
+the same answers, streamed together, and a stop string lands at the same character; the front
+end's threads run below the step's (plugin/front_end.py)."""
 
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.e2e.conftest import SERVER_ARGS, SERVER_ENV
+from tests.e2e.conftest import SERVER_ARGS, SERVER_ENV, SHAPE_ARGS
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
@@ -58,3 +62,41 @@ def test_a_stop_string_lands_exactly_under_async_scheduling(client, sync_client)
     for server in (client, sync_client):
         out = server.completions.create(stop=[stop], **kwargs).choices[0]
         assert (out.text, out.finish_reason) == (text[: text.index(stop)], "stop")
+
+
+def server_processes(port: int) -> tuple[int, int]:
+    """The API server listening on `port` (`vllm_aot.plugin.vllm_serve`) and its engine."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm_aot.plugin.vllm_serve" in argv and str(port).encode() in argv:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            engines = [c for c in children if Path(f"/proc/{c}/comm").read_text()[:6] == "VLLM::"]
+            return int(pid), int(engines[0])
+    raise AssertionError(f"no API server process on port {port}")
+
+
+def thread_nice(pid: int) -> dict[int, int]:
+    tids = os.listdir(f"/proc/{pid}/task")
+    return {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tids}
+
+
+def test_the_front_end_runs_below_the_step_threads(tiny_model_dirs, tmp_path):
+    """As `vllm-aot serve` starts a server: its API server, then the engine's own threads, at
+    nice 19; the step thread and its OpenMP team at 0."""
+    port = free_port()
+    command = vllm_server_command(
+        tiny_model_dirs("llama"), port, args=SHAPE_ARGS, additional_config={"backend": "eager"}
+    )
+    command[1:3] = ["-m", "vllm_aot.plugin.vllm_serve"]  # what vllm-aot serve runs
+    with running_server(command, port=port, env=SERVER_ENV, log_path=tmp_path / "log"):
+        api_server, engine = server_processes(port)
+        deadline = time.monotonic() + 30  # it lowers itself once the engine has forked
+        while set(thread_nice(api_server).values()) != {19} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert set(thread_nice(api_server).values()) == {19}
+        engine_threads = thread_nice(engine)
+        assert engine_threads[engine] == 19  # the engine's main thread: scheduling, outputs
+        assert 0 in engine_threads.values()  # the step thread (and its OpenMP team)

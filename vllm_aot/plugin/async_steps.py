@@ -19,6 +19,7 @@ where it would have in the synchronous loop (a per-request failure is already in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -70,6 +71,10 @@ class AsyncSteps:
     def _sample_after(self, executed: Future, grammar_output) -> ModelRunnerOutput:
         output = executed.result()  # done: the thread ran it first
         return output if output is not None else self._sample(grammar_output)
+
+    def native_id(self) -> int:
+        """The step thread's id in the kernel (starting the thread if it has not started)."""
+        return self.call(threading.get_native_id)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn` on the step thread, after the queued steps; its result. The torch profiler

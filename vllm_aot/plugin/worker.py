@@ -31,6 +31,7 @@ from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.experts import rank_share
 from vllm_aot.plugin.async_steps import AsyncSteps
+from vllm_aot.plugin.front_end import front_end_nice, lower_python_threads
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.parallel import join_ranks
@@ -98,6 +99,11 @@ class AotWorker(WorkerBase):
         self.async_steps: AsyncSteps | None = None
         if self.scheduler_config.async_scheduling:
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
+            # The step thread starts first, at the engine's priority; then every other thread
+            # of the engine (and those it starts later: vLLM's input and output threads) yields
+            # to it and its OpenMP team (plugin/front_end.py).
+            step_thread = self.async_steps.native_id()
+            lower_python_threads(front_end_nice(), keep=(step_thread,))
         self.clock = StepClock()
         validate_worker_profiler_config(self.vllm_config.profiler_config)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.plugin.front_end import MAX_NICE, NICE_ENV
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.cores import available_cores, format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.pool import ReplicaPool
@@ -144,6 +145,10 @@ def server_env() -> dict[str, str]:
     # keeps the quiet machine's speed (9.6-10.1 ms against 9.9-10.2) and bounds that waste
     # (docs/benchmarks.md, async scheduling and the engine's OpenMP threads).
     env.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+    # The front end (API server, the engine's scheduling and output threads) runs below the
+    # step's threads, in the moments a core is idle, instead of stalling a parallel loop
+    # (plugin/front_end.py).
+    env.setdefault(NICE_ENV, str(MAX_NICE))
     return env
 
 
