@@ -18,6 +18,7 @@ import pytest
 
 from tests.cache_worker import fake_compile
 from tests.helpers import TINY_CACHE_CONFIG, tiny_arch
+from vllm_aot.cache import registry as registry_module
 from vllm_aot.cache.admin import cleanup, status, sync
 from vllm_aot.cache.local import CacheLockTimeout
 from vllm_aot.cache.program_cache import CacheMissError, CacheSettings, ProgramCache
@@ -334,6 +335,23 @@ def test_records_of_programs_from_other_code_are_not_served():
     best, _ = select_configuration([stale, unrecorded, current], {}, num_cores=2)
     assert best is current
     assert "(not loadable here)" in describe_rows([stale])[1][-2]
+
+
+def test_a_warm_start_rewrites_a_record_that_other_code_wrote(tmp_path, monkeypatch):
+    """The same shapes recorded by other program-generating code were not loadable here: once
+    this code's programs are in the cache the record names them, so selection serves it."""
+    cache = make_cache(tmp_path / "cache")
+    log = tmp_path / "compiled.log"
+    monkeypatch.setattr(registry_module, "generator_source_digest", lambda: "0123456789abcdef")
+    fill(cache, log)
+    monkeypatch.undo()
+    (old,) = cache.registry.local_entries()
+    assert old.incompatibility is not None  # other code's record
+    fill(cache, log)  # a warm start: the programs are this code's
+    (new,) = cache.registry.local_entries()
+    assert new.incompatibility is None and new.source != old.source
+    fill(cache, log)  # a warm start writes nothing
+    assert cache.registry.local_entries()[0].created == new.created
 
 
 def test_selection_takes_the_newest_of_equal_shapes():

@@ -122,8 +122,15 @@ class Registry:
         return f"registry/{entry.arch_digest}/{entry.name}.json"
 
     def has(self, entry: CompiledConfiguration) -> bool:
-        """Whether the local registry already records `entry`'s configuration."""
-        return (self.cache_root / self._object(entry)).is_file()
+        """Whether the local registry already records `entry`'s configuration as it is: with
+        the same programs from the same code. A record of the same shapes written by other code
+        (its `source`, so not loadable here) is not it, and gets rewritten."""
+        try:
+            path = self.cache_root / self._object(entry)
+            recorded = parse_record(json.loads(path.read_bytes()), "local")
+        except (OSError, ValueError):
+            return False
+        return (recorded.source, recorded.programs) == (entry.source, entry.programs)
 
     def record(self, entry: CompiledConfiguration, *, push: bool = False) -> None:
         """Write `entry` locally and, with `push`, to the remote store (a failed upload is the
