@@ -11,9 +11,10 @@ gaps between steps.
 `VLLM_AOT_FRONT_END_NICE` (0-19; `vllm-aot serve` sets 19, plain vLLM leaves it unset, which is
 0: nothing changes) is the nice value the front end's threads get:
 
-- in the engine's process, under async scheduling (`plugin/async_steps.py`), every Python
-  thread but the step thread, once it has started: the engine's main thread and, since a thread
-  starts at its parent's value, the input and output threads vLLM starts after the worker;
+- in the engine's process, under async scheduling (`plugin/async_steps.py`) with one rank (the
+  worker in the engine's process), every Python thread but the step thread, once it has started:
+  the engine's main thread and, since a thread starts at its parent's value, the input and output
+  threads vLLM starts after the worker;
 - in the API server's process (`plugin/vllm_serve.py`), every thread, once the engine's process
   has forked from it (a child forked earlier would start at that value, compute threads and all).
 

@@ -101,9 +101,12 @@ class AotWorker(WorkerBase):
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)
             # The step thread starts first, at the engine's priority; then every other thread
             # of the engine (and those it starts later: vLLM's input and output threads) yields
-            # to it and its OpenMP team (plugin/front_end.py).
+            # to it and its OpenMP team (plugin/front_end.py). Only where this worker runs in
+            # the engine's process: a rank of vLLM's multiprocess executor has its own process,
+            # whose main thread hands it each step.
             step_thread = self.async_steps.native_id()
-            lower_python_threads(front_end_nice(), keep=(step_thread,))
+            if self.parallel_config.world_size == 1:
+                lower_python_threads(front_end_nice(), keep=(step_thread,))
         self.clock = StepClock()
         validate_worker_profiler_config(self.vllm_config.profiler_config)
 
