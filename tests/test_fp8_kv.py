@@ -21,6 +21,7 @@ from vllm_aot.models.registry import load_arch
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.kv_cache import KVCache
+from vllm_aot.runtime.programs import ProgramKind, all_program_keys, build_module, example_inputs
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -53,26 +54,34 @@ def test_writes_store_value_over_scale_saturated_and_read_back_dequantised():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_a_steps_writes_for_every_layer_equal_each_layers_own(dtype):
-    """write_layers (one copy per K and V for the step) stores what write does layer by layer,
-    each fp8 layer quantised with its own scales, and touches nothing else."""
+def test_a_layer_program_writes_its_step_k_v_into_its_pools_in_place(dtype):
+    """A decode layer program stores its K/V in the pools it was given, at its slots, as
+    `KVCache.write` stores the same tensors (an fp8 layer quantised with that layer's scales),
+    and touches nothing else."""
+    kv_name = {torch.bfloat16: "auto", **{v: k for k, v in FP8.items()}}[dtype]
+    config = tiny_config(dtype="bfloat16", kv_cache_dtype=kv_name)
     arch = tiny_arch()
+    key = next(k for k in all_program_keys(config) if k.kind is ProgramKind.DECODE)
     scales = [(0.5 + i, 4.0 / (i + 1)) for i in range(arch.num_layers)]
-    one, each = (
-        KVCache(arch, num_blocks=4, block_size=16, dtype=dtype, scales=scales) for _ in range(2)
+    program, host = (
+        KVCache(arch, num_blocks=8, block_size=16, dtype=dtype, scales=scales) for _ in range(2)
     )
+    inputs = list(example_inputs(key, arch, config))
     g = torch.Generator().manual_seed(0)
-    shape = (3, arch.num_kv_heads, arch.head_dim)
-    keys = [100 * torch.randn(shape, generator=g).bfloat16() for _ in range(arch.num_layers)]
-    values = [torch.randn(shape, generator=g).bfloat16() for _ in range(arch.num_layers)]
-    slots = torch.tensor([17, 34, 0])  # block 1 position 1, block 2 position 2, the dummy
-    one.write_layers(slots, keys, values)
-    for layer in range(arch.num_layers):
-        each.write(layer, slots, keys[layer], values[layer])
-    for a, b in zip(one.k + one.v, each.k + each.v, strict=True):
+    for i in (0, *range(10, len(inputs))):  # hidden and the weights (not all zeros)
+        if inputs[i].is_floating_point():
+            inputs[i] = torch.randn(inputs[i].shape, generator=g).to(inputs[i].dtype)
+    slots = torch.tensor([17, 34, 0, 0][: key.size])  # block 1 pos 1, block 2 pos 2, the dummy
+    inputs[9] = slots
+    layer = 1
+    inputs[3:7] = program.layer(layer)
+    with torch.no_grad():
+        _, k_new, v_new = build_module(key, arch, config)(*inputs)
+    host.write(layer, slots, k_new, v_new)
+    for a, b in zip(program.k + program.v, host.k + host.v, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert one.k[1].view(torch.uint8)[1, 1].any()  # layer 1's slot 17: written
-    assert not one.k[1].view(torch.uint8)[3].any()  # block 3: untouched
+    assert program.k[layer].view(torch.uint8)[1, 1].any()  # slot 17: written
+    assert not program.k[0].view(torch.uint8).any()  # another layer's pools: untouched
 
 
 @pytest.fixture(scope="module")

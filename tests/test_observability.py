@@ -71,7 +71,7 @@ def test_profiled_steps_name_each_program_call_and_phase(model):
     names = [event.name for event in traced.events()]
     assert names.count("decode_b4_c256") == model.arch.num_layers  # one range per layer call
     assert names.count("prefill_t32_c0") == names.count("prefill_t32_c256") == model.arch.num_layers
-    for phase in ("prepare_inputs", "layers", "write_kv", "prepare_sampling", "greedy_r4"):
+    for phase in ("prepare_inputs", "layers", "prepare_sampling", "greedy_r4"):
         assert phase in names
     assert not {"decode_b4_c256", "layers"} & {event.name for event in quiet.events()}
 

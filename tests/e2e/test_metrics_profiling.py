@@ -92,6 +92,6 @@ def test_profile_endpoints_write_a_trace_of_our_programs(
         names = {event.get("name") for event in json.load(f)["traceEvents"]}
     assert any(re.fullmatch(r"prefill_t\d+_c\d+", str(n)) for n in names), "no prefill program"
     assert any(re.fullmatch(r"decode_b\d+_c\d+", str(n)) for n in names), "no decode program"
-    for phase in ("execute_model", "sample_tokens", "prepare_inputs", "layers", "write_kv"):
+    for phase in ("execute_model", "sample_tokens", "prepare_inputs", "layers"):
         assert phase in names
     assert f"torch profiler trace written to {trace}" in tiny_server_log.read_text()

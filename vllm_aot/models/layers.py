@@ -44,6 +44,18 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() / scale).clamp(-limit, limit).to(dtype)
 
 
+def write_kv(cache: PagedKV, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """A step's keys and values, [tokens, kv_heads, head_dim], into one layer's pools in place
+    at the flat `slots` [tokens] (block * block_size + offset; padding's in the dummy block), as
+    the pools store them (`quantize_kv`; an fp8 pool's bytes: aten has no index_copy_ for fp8).
+    Layer programs call it, so a step's K/V land inside its programs, with no copy on the host."""
+    for pool, new, scale in ((cache.k, k_new, cache.k_scale), (cache.v, v_new, cache.v_scale)):
+        stored = quantize_kv(new, scale, pool.dtype)
+        if pool.dtype in FP8_KV_DTYPES:
+            pool, stored = pool.view(torch.uint8), stored.view(torch.uint8)
+        pool.view(-1, *stored.shape[1:]).index_copy_(0, slots, stored)
+
+
 def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Pool elements as `dtype` values: fp8 ones times the scale (in float32), others as they
     are (no copy)."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.layers import FP8_KV_DTYPES, PagedKV, dequantize_kv, quantize_kv
+from vllm_aot.models.layers import FP8_KV_DTYPES, PagedKV, dequantize_kv, write_kv
 
 DUMMY_BLOCK = 0
 
@@ -22,7 +22,7 @@ class KVCache:
     (the model's, or an fp8 type), with each layer's float32 scales (`models.layers`: an fp8
     pool stores value / scale; `scales` [layer] = (k_scale, v_scale), default 1.0; pools of
     other dtypes ignore them). A layer's pools are views of one tensor per K and V
-    [layers, ...], so a step's K/V for every layer land in one copy each (`write_layers`)."""
+    [layers, ...]; each layer program writes its own step's K/V into them in place."""
 
     def __init__(
         self,
@@ -45,9 +45,6 @@ class KVCache:
         assert len(scales) == arch.num_layers, f"{len(scales)} KV scales, {arch.num_layers} layers"
         self.k_scale = [torch.tensor(k, dtype=torch.float32) for k, _ in scales]
         self.v_scale = [torch.tensor(v, dtype=torch.float32) for _, v in scales]
-        # [layers, 1, 1, 1]: each layer's scale against its stacked K/V
-        self._k_scales = torch.stack(self.k_scale).view(-1, 1, 1, 1)
-        self._v_scales = torch.stack(self.v_scale).view(-1, 1, 1, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -62,35 +59,9 @@ class KVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> None:
-        """Store one layer's keys/values. slot_mapping: [tokens]; k_new, v_new: [tokens, kv, d]."""
-        k_scale, v_scale = self._k_scales[layer : layer + 1], self._v_scales[layer : layer + 1]
-        slots = slot_mapping + layer * self.num_blocks * self.block_size
-        self._store(self._k_all, slots, quantize_kv(k_new, k_scale, self.dtype))
-        self._store(self._v_all, slots, quantize_kv(v_new, v_scale, self.dtype))
-
-    def write_layers(
-        self,
-        slot_mapping: torch.Tensor,
-        k_new: Sequence[torch.Tensor],
-        v_new: Sequence[torch.Tensor],
-    ) -> None:
-        """Store the first len(k_new) layers' keys/values of a step (every layer's, or a draft's
-        first layers'): k_new[layer], v_new[layer] [tokens, kv, d], the same slots in each layer;
-        one copy per K and V (an fp8 pool's each quantised with its layer's scale, as `write`
-        does)."""
-        n = len(k_new)
-        layers = torch.arange(n) * (self.num_blocks * self.block_size)
-        slots = (layers[:, None] + slot_mapping[None, :]).flatten()
-        k_scales, v_scales = self._k_scales[:n], self._v_scales[:n]
-        self._store(self._k_all, slots, quantize_kv(torch.stack(k_new), k_scales, self.dtype))
-        self._store(self._v_all, slots, quantize_kv(torch.stack(v_new), v_scales, self.dtype))
-
-    def _store(self, pools: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """values [..., kv, d] of the pools' dtype into the flat slots of [layers, ...] pools."""
-        if self.dtype in FP8_KV_DTYPES:  # aten has no index_copy_ for fp8: copy the bytes
-            pools, values = pools.view(torch.uint8), values.view(torch.uint8)
-        flat = values.reshape(-1, *values.shape[-2:])
-        pools.view(-1, *flat.shape[1:]).index_copy_(0, slots, flat)
+        """Store one layer's keys/values outside its program (a tap's replacements): slot_mapping
+        [tokens]; k_new, v_new [tokens, kv, d]. Layer programs write their own (`write_kv`)."""
+        write_kv(self._layers[layer], slot_mapping, k_new, v_new)
 
     def gather(self, layer: int, block_table: Sequence[int], num_tokens: int):
         """One sequence's K and V, [num_tokens, kv_heads, head_dim] each (for analysis/tests);

@@ -3,9 +3,9 @@
 A step is all-prefill or all-decode, never mixed. The caller (a driver of `runtime/policy.py`:
 the generate loop, teacher forcing, vLLM's scheduler through the plugin) decides what runs;
 `prepare_prefill`/`prepare_decode` choose its layer program and pad to it; this class runs that
-program (`inputs.key`) once per layer, then writes every layer's new K/V through the slot mapping
-(quantised with each layer's scales when the pool is fp8: `KVCache.write_layers`, one copy per K
-and V for the step), and samples in the head program.
+program (`inputs.key`) once per layer, each call writing its layer's new K/V into the pools in
+place through the slot mapping (quantised with the layer's scales when the pool is fp8:
+`models.layers.write_kv`), and samples in the head program.
 
 A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
@@ -14,7 +14,7 @@ Observability: `num_executions` counts the layer passes and head runs per progra
 the real vs padded rows, tokens and context tokens of each layer pass, `program_seconds` the
 time inside programs (the layer loop, the head), and while `spans` is
 enabled (a profiler records) every program call is a range named after its program, inside
-ranges for the step's phases (`prepare_inputs`, `layers`, `write_kv`, `prepare_sampling`).
+ranges for the step's phases (`prepare_inputs`, `layers`, `prepare_sampling`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,6 @@ class CompiledModel:
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
         program = self._program(key)
-        keys, values = [], []
         with self.spans("layers"):  # embedding and rotary included
             hidden = self.embed(token_ids)
             if given is not None:
@@ -164,26 +163,25 @@ class CompiledModel:
             started = time.perf_counter()
             for layer, weights in enumerate(self._layer_args[:num_layers]):
                 cache = self.kv.layer(layer)
-                hidden, k_new, v_new = program(hidden, cos, sin, *cache, *context, *weights)
+                args = (hidden, cos, sin, *cache, *context, slot_mapping, *weights)
+                hidden, k_new, v_new = program(*args)  # its K/V written into `cache`
                 if tap is not None:
-                    hidden, k_new, v_new = self._tap_layer(
-                        tap, layer, hidden, k_new, v_new, real_positions
+                    hidden = self._tap_layer(
+                        tap, layer, hidden, (k_new, v_new), slot_mapping, real_positions
                     )
-                keys.append(k_new)
-                values.append(v_new)
             self.program_seconds["layers"] += time.perf_counter() - started
-        # A layer reads its own pools and this step's K/V as inputs, never another layer's
-        # writes: every layer's K/V land after the last, one copy per K and V.
-        with self.spans("write_kv"):
-            self.kv.write_layers(slot_mapping, keys, values)
         return hidden
 
-    @staticmethod
-    def _tap_layer(tap: Tap, layer: int, hidden, k_new, v_new, positions):
+    def _tap_layer(self, tap: Tap, layer: int, hidden, kv, slot_mapping, positions):
+        """The tap's view of a layer's outputs; K/V it replaces overwrite what the program
+        wrote (later steps read them, as they read the replaced hidden state's successors)."""
+        k_new, v_new = kv
         prefix = f"model.layers.{layer}"
-        k_new = tap(name=f"{prefix}.self_attn.key_states", tensor=k_new, positions=positions)
-        v_new = tap(name=f"{prefix}.self_attn.value_states", tensor=v_new, positions=positions)
-        return tap(name=prefix, tensor=hidden, positions=positions), k_new, v_new
+        k_tap = tap(name=f"{prefix}.self_attn.key_states", tensor=k_new, positions=positions)
+        v_tap = tap(name=f"{prefix}.self_attn.value_states", tensor=v_new, positions=positions)
+        if k_tap is not k_new or v_tap is not v_new:
+            self.kv.write(layer, slot_mapping, k_tap, v_tap)
+        return tap(name=prefix, tensor=hidden, positions=positions)
 
     def sample(self, hidden: torch.Tensor, sampling: Sequence[RowSampling]) -> SamplerOutput:
         """Head program over hidden: [row bucket, hidden]; outputs for the real rows only.

@@ -42,6 +42,7 @@ from vllm_aot.models.layers import (
     packed_attention,
     prefill_attention,
     rms_norm,
+    write_kv,
 )
 from vllm_aot.models.linear import LM_HEAD, vocab_rows_per_rank
 from vllm_aot.models.registry import family_of
@@ -142,11 +143,16 @@ class Layer(nn.Module):
     """One decoder layer, the family's maths; prefill and decode differ only in how attention
     reads the cache.
 
-    forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights)
+    forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, slots, *weights)
     -> (hidden, k_new, v_new), where the pools are in the KV cache dtype and the scales float32
     scalars (`models.layers.PagedKV`: inputs, since one program serves every layer),
     (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and (block_tables,
-    context_mask) for decode and verify, and `weights` follow `LayerSpec.tensor_names`.
+    context_mask) for decode and verify, `slots` [tokens] where each token's K/V go in the
+    layer's pools, and `weights` follow `LayerSpec.tensor_names`.
+
+    The layer writes its new K/V into its pools in place (`write_kv`) before attending:
+    attention reads them from `k_new`/`v_new` all the same (the cached part's masks stop short
+    of this step's positions), so writing first changes nothing it computes.
     """
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig, *, kind: ProgramKind) -> None:
@@ -167,7 +173,9 @@ class Layer(nn.Module):
             else decode_attention_fn(attention_impl(), verify=verify)
         )
 
-    def forward(self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights):
+    def forward(
+        self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, slots, *weights
+    ):
         tensors = dict(zip(self.tensor_names, weights, strict=True))
         params = LayerParams(
             self.arch, self.spec, self.kernels, tensors, self.reduce, experts_kernel=self.experts
@@ -175,6 +183,7 @@ class Layer(nn.Module):
         cache = PagedKV(k_pool, v_pool, k_scale, v_scale)
 
         def attend(q, k, v):
+            write_kv(cache, slots, k, v)
             return self.attention(q, k, v, cache, ctx_a, ctx_b)
 
         return self.decoder_layer(
@@ -310,6 +319,7 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
             torch.ones((), dtype=torch.float32),
             torch.ones((), dtype=torch.float32),
             *ctx,
+            torch.zeros(n, dtype=i64),
             *flatten_weights(weights),
         )
     rows = key.size
@@ -341,7 +351,7 @@ def dynamic_shapes(key: ProgramKey, inputs: tuple):
     if not key.is_layer:
         return None
     num_blocks = torch.export.Dim("num_blocks", min=2, max=1 << 24)
-    # forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, *weights)
+    # forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, slots, *weights)
     pools = ({0: num_blocks}, {0: num_blocks})
-    fixed = (None, None, None, *pools, None, None, None, None)
+    fixed = (None, None, None, *pools, None, None, None, None, None)
     return (*fixed, tuple(None for _ in inputs[len(fixed) :]))
