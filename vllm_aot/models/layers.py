@@ -6,9 +6,10 @@ attention (encoders); a sparse MoE block's routing and its experts (the referenc
 kernel); the linears are the family's
 `LayerParams.linear`. Pure functions over tensors: no module state, no data-dependent shapes, so
 the same code runs eagerly and exports into an ahead-of-time compiled program. Attention reads
-cached keys and values from the paged pool but never writes it: the layer returns this step's new
-K/V and the caller writes them through the slot mapping, so a compiled program has no side
-effects to get wrong.
+cached keys and values from the paged pool; `write_kv` is the one function with a side effect:
+the layer program stores its step's new K/V into its pools in place through the slot mapping
+(AOTInductor mutates the input, no copy), before attention, which reads this step's own K/V as
+computed and the pool only up to the positions before them.
 
 FP8 KV cache: a pool of `torch.float8_e4m3fn` or `float8_e5m2` stores `value / scale`, saturated
 to the format's finite range (`quantize_kv`), with one float32 scale per layer for K and one for
