@@ -36,9 +36,8 @@ class KVCache:
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zeroed: never-written slots must hold finite values, because masked attention
         # multiplies them by zero and NaN * 0 is NaN.
-        self._k_all = torch.zeros((arch.num_layers, *shape), dtype=dtype)
-        self._v_all = torch.zeros((arch.num_layers, *shape), dtype=dtype)
-        self.k, self.v = list(self._k_all.unbind(0)), list(self._v_all.unbind(0))
+        k_all, v_all = (torch.zeros((arch.num_layers, *shape), dtype=dtype) for _ in range(2))
+        self.k, self.v = list(k_all.unbind(0)), list(v_all.unbind(0))
         is_fp8 = dtype in FP8_KV_DTYPES
         if not is_fp8 or not scales:
             scales = [(1.0, 1.0)] * arch.num_layers
