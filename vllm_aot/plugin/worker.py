@@ -104,8 +104,8 @@ class AotWorker(WorkerBase):
             # to it and its OpenMP team (plugin/front_end.py). Only where this worker runs in
             # the engine's process: a rank of vLLM's multiprocess executor has its own process,
             # whose main thread hands it each step.
-            step_thread = self.async_steps.native_id()
             if self.parallel_config.world_size == 1:
+                step_thread = self.async_steps.native_id()
                 lower_python_threads(front_end_nice(), keep=(step_thread,))
         self.clock = StepClock()
         validate_worker_profiler_config(self.vllm_config.profiler_config)
