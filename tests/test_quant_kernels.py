@@ -6,14 +6,14 @@ CPU has and on each lower one forced in a child process (`VLLM_AOT_KERNEL_ISA=av
 The tolerance, and why: the float32 kernels multiply the activations as they are with float32
 sums (no int8 activation blocks: `kernels/quant.h`), so up to kMaxDirectRows rows the result is
 the reference's to float32 rounding, `1e-5 * (|x| @ |W|.T)`, and a row's result does not depend
-on the other rows. bfloat16 activations become fixed point per block of 32: of the nibble formats
+on the other rows. bfloat16 activations become fixed point per block of 32: of the block formats
 with AVX512-VNNI (15 bits, `kernels/quant_avx512_vnni.h`), of every block format on AVX2 (16
 bits, `kernels/quant_avx2_fixed.h`). Each x moves by at most 2^-15 of its block's largest |x|,
 which adds `2^-15 * (blockmax|x| @ |W|.T)`. Beyond kMaxDirectRows the
 weights are dequantised for aten's GEMM: to float32, or to bfloat16 for bfloat16 activations
 where the CPU multiplies bfloat16 natively (each weight moves by at most 2^-9 of itself:
 `2^-8 * (|x| @ |W|.T)` covers it). On CPUs with AMX, bfloat16 activations up to kMaxAmxRows
-rows (but fewer than 4 of a nibble format, which take the VNNI kernel) meet the weights
+rows (but fewer than 5 of a block format, which take the VNNI kernel) meet the weights
 dequantised tile by tile as two bfloat16 parts (`kernels/quant_amx.h`: each weight within 2^-16
 of itself, `2^-15 * (|x| @ |W|.T)`), and a row's result is the same in any such batch. Outputs in
 bfloat16 add their own rounding (2^-8 of the value).
@@ -40,7 +40,7 @@ FORMATS = tuple(QUANTIZED_KERNELS)
 ROWS = (1, 2, 3, 4, 5, 8, 17, 32, 33, 300)
 MAX_DIRECT_ROWS = 8  # `kernels/quant.h`: kMaxDirectRows
 MAX_DIRECT_ROWS_AVX2_FIXED = 32  # kMaxDirectRowsAvx2Fixed
-MIN_AMX_ROWS, MAX_AMX_ROWS = 4, 32  # kMinAmxRows (formats with a VNNI kernel), kMaxAmxRows
+MIN_AMX_ROWS, MAX_AMX_ROWS = 5, 32  # kMinAmxRows (formats with a VNNI kernel), kMaxAmxRows
 # (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
 SHAPES = ((7, 96), (33, 576), (65, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
@@ -50,8 +50,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 FIXED_POINT = {
     "avx2": ("q8_0", "q4_0", "q4_1"),
     "avx512": (),
-    "avx512_vnni": ("q4_0", "q4_1"),
-    "amx": ("q4_0", "q4_1"),
+    "avx512_vnni": ("q8_0", "q4_0", "q4_1"),
+    "amx": ("q8_0", "q4_0", "q4_1"),
 }
 
 

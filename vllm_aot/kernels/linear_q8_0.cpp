@@ -7,6 +7,7 @@
 #include "quant_avx2.h"
 #include "quant_avx2_fixed.h"
 #include "quant_avx512.h"
+#include "quant_avx512_vnni.h"
 
 namespace {
 
@@ -19,7 +20,7 @@ struct Q8_0 {
 };
 
 const Format kQ8_0{{avx2::multiply<Q8_0>, avx512::multiply<Q8_0>},
-                  {avx2_fixed::multiply<Q8_0>, nullptr, nullptr,
+                  {avx2_fixed::multiply<Q8_0>, nullptr, avx512_vnni::multiply<Q8_0>,
                    amx::multiply<Q8_0>},
                   avx2::dequantize<Q8_0>,
                   avx512::dequantize_bf16<Q8_0>};

@@ -17,11 +17,11 @@
 //   result does not depend on the other rows (the same operations in the same order whatever m).
 //   float32 on AVX2 (`quant_avx2.h`) and AVX-512 (`quant_avx512.h`). bfloat16 activations: of
 //   the block formats on AVX2 as 16-bit fixed point, codes widened to int16, `vpmaddwd`
-//   (`quant_avx2_fixed.h`); of the nibble formats with AVX512-VNNI as 15-bit fixed point, codes
+//   (`quant_avx2_fixed.h`); of the block formats with AVX512-VNNI as 15-bit fixed point, codes
 //   as bytes, `vpdpbusd` (`quant_avx512_vnni.h`); other bfloat16 activations are widened to
 //   float32.
-// - bfloat16 activations on CPUs with AMX, kMinAmxRows to kMaxAmxRows rows (q8_0 and int8 from
-//   one row): each block dequantised once into two bfloat16 tiles in L1 (the weight to 2^-16)
+// - bfloat16 activations on CPUs with AMX, kMinAmxRows to kMaxAmxRows rows (int8 from one
+//   row): each block dequantised once into two bfloat16 tiles in L1 (the weight to 2^-16)
 //   for AMX's tile multiply, 16 rows at once (`quant_amx.h`).
 // - larger m (larger decode batches, prefill): chunks of weight rows are dequantised (float32,
 //   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM
@@ -70,11 +70,12 @@ constexpr int64_t kMaxDirectRows = 8;
 // rows 0.53 against 0.61 ms; q8_0 0.77-0.85x).
 constexpr int64_t kMaxDirectRowsAvx2Fixed = 32;
 // Up to kMaxAmxRows bfloat16 rows, AMX's tiles where the CPU has them (`quant_amx.h`): a work
-// item's weight tiles meet every row in tile multiplies of 16 rows. Fewer than kMinAmxRows rows
-// of a format with a VNNI kernel (q4_0, q4_1) take that: it reads the codes as bytes where AMX
-// widens them (SmolLM2's q4_1 layers: 2 rows 0.23 ms VNNI against 0.32 AMX, 4 rows 0.35
-// against 0.32). q8_0 and int8, which have none, take AMX from one row.
-constexpr int64_t kMinAmxRows = 4, kMaxAmxRows = 32;
+// item's weight tiles meet every row in tile multiplies of 16 rows, so 5 rows cost about what 16
+// do. Fewer than kMinAmxRows rows take the format's VNNI kernel, which reads the codes as bytes
+// where AMX widens them (SmolLM2's q4_1 [3072, 576] from L3, 2 threads: 4 rows 118-126 us VNNI
+// against 158-163 AMX, 6 rows 180-203 against 140-144; the q8_0 head at 4 rows 1.9-2.1 ms against
+// 2.3-2.5, at 6 rows 3.0-3.1 against 2.2-2.5). int8, which has none, takes AMX from one row.
+constexpr int64_t kMinAmxRows = 5, kMaxAmxRows = 32;
 
 // The kernels' instruction set: AVX2 + FMA (the floor), AVX-512, AVX-512 with VNNI's byte dot
 // products (`quant_avx512_vnni.h`), and on top of those AMX's bfloat16 tiles for several
@@ -132,21 +133,34 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& qweight);
 at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols,
                  const char* what);
 
-// Batch-1 decode streams every weight once, so as a tile of R rows starts it asks for the rows
-// kPrefetchRows further on: their codes, block scales and minimums.
+// Batch-1 decode streams each weight once, and a thread's tiles take its rows front to back:
+// rows too short for the hardware prefetcher to follow. So a tile asks for the rows
+// kPrefetchRows further on while it works: their block scales and minimums as it starts
+// (`prefetch_planes`), their codes a line at a time as it reads the same line of its own rows
+// (`prefetch_line`), spread over the tile. (One q4_1 layer's linears from L3 on a Xeon: 6.4-8.1
+// cycles a block with no prefetch, 4.1-5.1 with the tile's lines asked for all at once as it
+// starts, 3.2-4.0 spread; 2.7 from L1.) A prefetch past the weight's end never faults.
 constexpr int64_t kPrefetchRows = 16;
 
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_line(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+
 template <int R>
-inline void prefetch_rows(const Weights& w, int64_t row0) {
-  const int64_t ahead = row0 + kPrefetchRows;
-  if (ahead + R > w.n) return;
-  const auto lines = [](const void* p, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(static_cast<const char*>(p) + line, _MM_HINT_T0);
-  };
-  lines(w.q + ahead * w.q_stride, R * w.q_stride);
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_planes(const Weights& w, int64_t row0) {
   for (const c10::Half* plane : {w.scale, w.min})
-    if (plane != nullptr) lines(plane + ahead * w.blocks, R * w.blocks * 2);
+    if (plane != nullptr)
+      for (int64_t line = 0; line < R * w.blocks * 2; line += 64)
+        prefetch_line(reinterpret_cast<const char*>(plane + (row0 + kPrefetchRows) * w.blocks) +
+                      line);
+}
+
+// The float32 kernels' whole tile ahead at once: its codes, then `prefetch_planes`.
+template <int R>
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_rows(const Weights& w, int64_t row0) {
+  for (int64_t line = 0; line < R * w.q_stride; line += 64)
+    prefetch_line(w.q + (row0 + kPrefetchRows) * w.q_stride + line);
+  prefetch_planes<R>(w, row0);
 }
 
 // A stored fp16 scale as float32 (F16C).

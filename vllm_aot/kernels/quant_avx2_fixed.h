@@ -147,7 +147,7 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
   __m256 acc[B][R];
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
-  if constexpr (B == 1) prefetch_rows<R>(w, row0);
+  if constexpr (B == 1) prefetch_planes<R>(w, row0);
   alignas(32) float d[R][kChunk], shift[R][kChunk];
   for (int64_t c0 = 0; c0 < x.blocks; c0 += kChunk) {
     const int64_t n = std::min(kChunk, x.blocks - c0);
@@ -172,9 +172,7 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
         __m256i lo, hi;
         if constexpr (B == 1)  // one line a step, kPrefetchRows rows ahead (never faults)
           if (blk % (64 / kBlockBytes) == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(w.q + (row0 + r + kPrefetchRows) * w.q_stride +
-                                                       blk * kBlockBytes),
-                         _MM_HINT_T0);
+            prefetch_line(w.q + (row0 + r + kPrefetchRows) * w.q_stride + blk * kBlockBytes);
         codes16<F>(w.q + (row0 + r) * w.q_stride, blk, lo, hi);
         const __m256 scale = _mm256_broadcast_ss(&d[r][i]);
         for (int b = 0; b < B; ++b) {

@@ -1,20 +1,22 @@
-// The nibble formats (q4_0, q4_1) for bfloat16 activations on CPUs with AVX512-VNNI (`quant.h`).
-// Widening the codes to float32 costs more than the multiply (a block takes ~6 cycles on the
-// float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64 of them by 64 signed
-// bytes a cycle, summed in int32:
+// The block formats (q4_0, q4_1, q8_0) for bfloat16 activations on CPUs with AVX512-VNNI
+// (`quant.h`). Widening the codes to float32 costs more than the multiply (a block takes ~6
+// cycles on the float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64 of them
+// (unsigned) by 64 signed bytes a cycle, summed in int32:
 //
 // - the activations are bfloat16 (8 significant bits) and become 15-bit fixed point per block of
 //   32: x = s * q with s = the block's largest |x| / 16383, q = 128 h + l (h signed, l in 0-127,
 //   both bytes). Each x moves by at most s / 2 = 2^-15 of its block's largest, far below the
 //   bfloat16 rounding it came with (2^-9 of itself), so the sums are the bfloat16 program's to
 //   float32-like precision (the tests' bound: `tests/test_quant_kernels.py`).
-// - 64 bytes of codes are 4 blocks, one per 128-bit lane, as stored (GGUF's layout); their low
-//   nibbles are inputs 0-15 of each block, the high ones 16-31. The activations are rearranged
-//   once a call to match (h and l of inputs 0-15, then 16-31, of 4 blocks a group), so four
-//   `vpdpbusd` consume the 4 blocks, each lane of the sums holding one block's, and
+// - the codes of a group of 4 blocks become two registers, one block per 128-bit lane, inputs
+//   0-15 in one and 16-31 in the other (`group_codes`): of the nibble formats 64 bytes as stored
+//   (GGUF's layout), low nibbles and high; of q8_0 two loads of 2 blocks, their lanes
+//   interleaved, the signed codes made unsigned (c + 128, `kCodeOffset`). The activations are
+//   rearranged once a call to match (h and l of inputs 0-15, then 16-31, of 4 blocks a group), so
+//   four `vpdpbusd` consume the 4 blocks, each lane of the sums holding one block's, and
 //   (128 * sum_h + sum_l) times s * d (d the block's scale, spread over its lanes) adds them up.
-// - q4_1's minimums and q4_0's offset are one dot per row: sum over blocks of (m - kOffset * d)
-//   * s * sum(q).
+// - q4_1's minimums and the codes' offset (q4_0's 8, q8_0's 128) are one dot per row: sum over
+//   blocks of (m - offset * d) * s * sum(q).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -36,6 +38,15 @@ using avx512::sixteen_halves;
 
 constexpr int kTileRows = 4;     // weight rows per tile
 constexpr float kLevels = 16383;  // |q| <= 2^14 - 1: q = 128 h + l with h in [-128, 127]
+
+// What the codes as `vpdpbusd` reads them (unsigned bytes) exceed the format's codes by: q8_0's
+// signed bytes are flipped to c + 128.
+template <class F>
+constexpr int kCodeOffset = F::kNibbles ? F::kOffset : 128;
+
+// Bytes of codes a group of 4 blocks takes in a row.
+template <class F>
+constexpr int64_t kGroupBytes = F::kNibbles ? 64 : 128;
 
 // The activations for one call, in buffers the calling thread reuses: per activation row, per
 // group of 4 blocks, 256 bytes (h of inputs 0-15, l of 0-15, h of 16-31, l of 16-31; 16 bytes a
@@ -116,9 +127,9 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m128 offset_terms(const Weights& w, int64
     const __m512 s = _mm512_loadu_ps(sums + c);
     for (int r = 0; r < R; ++r) {
       __m512 shift = _mm512_setzero_ps();
-      if constexpr (F::kOffset != 0)
+      if constexpr (kCodeOffset<F> != 0)
         shift = _mm512_mul_ps(sixteen_halves(w.scale + (row0 + r) * w.blocks, c, w.blocks),
-                              _mm512_set1_ps(-static_cast<float>(F::kOffset)));
+                              _mm512_set1_ps(-static_cast<float>(kCodeOffset<F>)));
       if constexpr (F::kHasMin)
         shift = _mm512_add_ps(shift, sixteen_halves(w.min + (row0 + r) * w.blocks, c, w.blocks));
       acc[r] = _mm512_fmadd_ps(shift, s, acc[r]);
@@ -127,25 +138,48 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m128 offset_terms(const Weights& w, int64
   return lane_sums<R>(acc);
 }
 
-// Activation rows 0 .. B against weight rows row0 .. row0 + R.
+// Group g of a row's codes (`left` blocks from its first on, fewer than 4 at the row's end) as
+// unsigned bytes: inputs 0-15 of each of its blocks in `lo`, 16-31 in `hi`, a block a lane.
+template <class F>
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_t g, int64_t left,
+                                                      __m512i& lo, __m512i& hi) {
+  const auto mask = [](int64_t bytes) {
+    return bytes >= 64 ? ~__mmask64{0} : bytes <= 0 ? __mmask64{0} : (__mmask64{1} << bytes) - 1;
+  };
+  if constexpr (F::kNibbles) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_maskz_loadu_epi8(mask(16 * left), row + 64 * g);
+    lo = _mm512_and_si512(v, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  } else {  // blocks 0, 1 in a, 2, 3 in b: [0 lo, 0 hi, 1 lo, 1 hi] -> [0 lo, 1 lo, 2 lo, 3 lo]
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const uint8_t* p = row + 128 * g;
+    const __m512i a = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask(32 * left), p), flip);
+    const __m512i b = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask(32 * left - 64), p + 64), flip);
+    lo = _mm512_permutex2var_epi64(a, _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0), b);
+    hi = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2), b);
+  }
+}
+
+// Activation rows 0 .. B against weight rows row0 .. row0 + R. (Bytes past a row's last block
+// load as zeros, or 0x80 flipped from them, against zero activations.)
 template <class F, int B, int R, class Out>
 VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arranged& x, Out* out) {
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-  if constexpr (B == 1) prefetch_rows<R>(w, row0);
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  prefetch_planes<R>(w, row0);
   __m512 scales[R];
   for (int64_t g = 0; g < x.groups; ++g) {
     if (g % 4 == 0)
       for (int r = 0; r < R; ++r)
         scales[r] = sixteen_halves(w.scale + (row0 + r) * w.blocks, 4 * g, w.blocks);
-    const int64_t left = w.blocks - 4 * g;
-    const __mmask64 mask = left >= 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * left)) - 1;
     for (int r = 0; r < R; ++r) {
-      const __m512i v = _mm512_maskz_loadu_epi8(mask, w.q + (row0 + r) * w.q_stride + 64 * g);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const uint8_t* row = w.q + (row0 + r) * w.q_stride;
+      for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
+        prefetch_line(row + kPrefetchRows * w.q_stride + kGroupBytes<F> * g + line);
+      __m512i lo, hi;
+      group_codes<F>(row, g, w.blocks - 4 * g, lo, hi);
       const __m512 d = group_scales(scales[r], static_cast<int>(g % 4));
       for (int b = 0; b < B; ++b) {
         const int8_t* q = x.q + (b * x.groups + g) * 256;
@@ -178,10 +212,10 @@ VLLM_AOT_AVX512_VNNI void rows(const Weights& w, int64_t row0, const Arranged& x
   });
 }
 
-// `MultiplyBf16Fn` for a nibble format F: up to kMaxDirectRows activation rows.
+// `MultiplyBf16Fn` for a block format F: up to kMaxDirectRows activation rows.
 template <class F>
 void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& out) {
-  static_assert(F::kNibbles && F::kBlockScale, "the nibble formats (q4_0, q4_1)");
+  static_assert(F::kBlockScale, "the block formats (q4_0, q4_1, q8_0)");
   const Arranged arranged = arrange(x, m, w.k);
   parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
     rows<F, decltype(tile)::value>(w, row0, arranged, m, o);
