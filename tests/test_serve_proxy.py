@@ -48,6 +48,7 @@ class FakeReplica:
         app.router.add_post("/v1/echo", self.echo)
         app.router.add_post("/v1/stream", self.stream)
         app.router.add_post("/v1/die", self.die)
+        app.router.add_post("/v1/hang-up", self.hang_up)
         app.router.add_route("*", "/{tail:.*}", self.anything)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -96,6 +97,12 @@ class FakeReplica:
         await response.write(b'data: {"i": 0}\n\n')
         request.transport.abort()
         return response
+
+    async def hang_up(self, request):
+        """Close the connection before any answer, as a replica told to stop may."""
+        await asyncio.sleep(float(request.query.get("after", "0")))
+        request.transport.abort()
+        return web.Response()
 
 
 @contextlib.asynccontextmanager
@@ -221,6 +228,35 @@ def test_replica_dying_mid_stream_ends_the_stream_with_an_error_and_is_not_retri
             assert '"error"' in body.splitlines()[-2]
             assert pool.num_retries == 0
             assert sum(r.num_errors for r in pool.replicas) == 1
+
+    run(main())
+
+
+def test_replica_hanging_up_before_an_answer_gets_502_or_503_while_the_server_stops():
+    async def main():
+        replicas = [FakeReplica(0)]
+        await replicas[0].start()
+        proxy = Proxy(ReplicaPool.from_urls([f"http://127.0.0.1:{replicas[0].port}"]),
+                      ProxyConfig(port=free_port(), health_interval=0.1))  # fmt: skip
+        await proxy.start()
+        while not proxy.pool.replicas[0].is_started:
+            await asyncio.sleep(0.05)
+        proxy.pool.is_started = True
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{proxy.config.port}") as client:
+                async with client.post("/v1/hang-up") as response:
+                    assert response.status == 502
+                    assert "replica 0 failed" in (await response.json())["error"]["message"]
+                pending = asyncio.create_task(client.post("/v1/hang-up", params={"after": "0.5"}))
+                while proxy.pool.replicas[0].num_in_flight == 0:
+                    await asyncio.sleep(0.01)
+                await proxy.stop_accepting()  # SIGTERM: the replica is told to stop too
+                async with await pending as response:
+                    assert response.status == 503
+                    assert "shutting down" in (await response.json())["error"]["message"]
+        finally:
+            await proxy.stop()
+            await replicas[0].stop()
 
     run(main())
 

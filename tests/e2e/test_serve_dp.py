@@ -70,6 +70,8 @@ def stream_completion(url: str, max_tokens: int, events: list, started: threadin
             "POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120
         ) as response:
             replica = response.headers.get("x-vllm-aot-replica")
+            if response.status_code != 200:  # an answer, not a stream: e.g. 503 shutting down
+                payloads.append(f"HTTP {response.status_code}: {response.read().decode()}")
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     payloads.append(line.removeprefix("data: "))

@@ -267,8 +267,10 @@ class Proxy:
             if body.is_too_large:
                 return _error(413, f"request body exceeds {self.config.max_body_bytes} bytes")
             replica.num_errors += 1
-            status = 504 if isinstance(exc, TimeoutError) else 502
-            return _error(status, f"replica {replica.index} failed: {type(exc).__name__} {exc}")
+            message = f"replica {replica.index} failed: {type(exc).__name__} {exc}"
+            if self.is_stopping:  # the replica was told to stop before it answered
+                return _error(503, f"{message} (the server is shutting down)")
+            return _error(504 if isinstance(exc, TimeoutError) else 502, message)
         try:
             response = await self._stream_back(request, replica, upstream)
         except BaseException:  # the client went away (cancelled) or writing to it failed
