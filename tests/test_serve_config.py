@@ -288,3 +288,17 @@ def test_a_draft_model_without_a_path_is_the_served_model():
     named = ("--speculative-config", '{"method": "draft_model", "model": "/d"}')
     ngram = ("--max-num-seqs", "4", "--speculative-config", '{"method": "ngram"}')
     assert with_self_draft(named, "/m") == named and with_self_draft(ngram, "/m") == ngram
+
+
+def test_replicas_start_with_short_spins_huge_pages_and_a_lowered_front_end_unless_set(
+    monkeypatch,
+):
+    from vllm_aot.serve.launch import server_env
+
+    for name in ("GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE", "VLLM_AOT_FRONT_END_NICE"):
+        monkeypatch.delenv(name, raising=False)
+    env = server_env()
+    assert (env["GOMP_SPINCOUNT"], env["THP_MEM_ALLOC_ENABLE"]) == ("10000", "1")
+    assert env["VLLM_AOT_FRONT_END_NICE"] == "19"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's choice stands
+    assert server_env()["THP_MEM_ALLOC_ENABLE"] == "0"
