@@ -107,6 +107,13 @@ class FakeReplica:
 
 @contextlib.asynccontextmanager
 async def proxied(num_replicas: int = 2, **config):
+    async with proxied_with_proxy(num_replicas, **config) as (client, replicas, pool, _):
+        yield client, replicas, pool
+
+
+@contextlib.asynccontextmanager
+async def proxied_with_proxy(num_replicas: int = 2, **config):
+    """`proxied`, and the proxy itself (to stop it as serving stops)."""
     replicas = [FakeReplica(i) for i in range(num_replicas)]
     for replica in replicas:
         await replica.start()
@@ -119,7 +126,7 @@ async def proxied(num_replicas: int = 2, **config):
     pool.is_started = True
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{config.port}") as client:
-            yield client, replicas, pool
+            yield client, replicas, pool, proxy
     finally:
         await proxy.stop()
         for replica in replicas:
@@ -234,29 +241,17 @@ def test_replica_dying_mid_stream_ends_the_stream_with_an_error_and_is_not_retri
 
 def test_replica_hanging_up_before_an_answer_gets_502_or_503_while_the_server_stops():
     async def main():
-        replicas = [FakeReplica(0)]
-        await replicas[0].start()
-        proxy = Proxy(ReplicaPool.from_urls([f"http://127.0.0.1:{replicas[0].port}"]),
-                      ProxyConfig(port=free_port(), health_interval=0.1))  # fmt: skip
-        await proxy.start()
-        while not proxy.pool.replicas[0].is_started:
-            await asyncio.sleep(0.05)
-        proxy.pool.is_started = True
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{proxy.config.port}") as client:
-                async with client.post("/v1/hang-up") as response:
-                    assert response.status == 502
-                    assert "replica 0 failed" in (await response.json())["error"]["message"]
-                pending = asyncio.create_task(client.post("/v1/hang-up", params={"after": "0.5"}))
-                while proxy.pool.replicas[0].num_in_flight == 0:
-                    await asyncio.sleep(0.01)
-                await proxy.stop_accepting()  # SIGTERM: the replica is told to stop too
-                async with await pending as response:
-                    assert response.status == 503
-                    assert "shutting down" in (await response.json())["error"]["message"]
-        finally:
-            await proxy.stop()
-            await replicas[0].stop()
+        async with proxied_with_proxy(num_replicas=1) as (client, _, pool, proxy):
+            async with client.post("/v1/hang-up") as response:
+                assert response.status == 502
+                assert "replica 0 failed" in (await response.json())["error"]["message"]
+            pending = asyncio.create_task(client.post("/v1/hang-up", params={"after": "0.5"}))
+            while pool.replicas[0].num_in_flight == 0:
+                await asyncio.sleep(0.01)
+            await proxy.stop_accepting()  # SIGTERM: the replica is told to stop too
+            async with await pending as response:
+                assert response.status == 503
+                assert "shutting down" in (await response.json())["error"]["message"]
 
     run(main())
 
