@@ -149,6 +149,7 @@ def test_fp8_kv_logits_stay_within_the_documented_tolerance(reference, sequences
     assert model.kv.k[0].dtype == FP8[kv_cache_dtype]
 
 
+@pytest.mark.slow  # compiles fp8 programs; the kernels' fp8 tests and validate cover the fast suite
 def test_fp8_kv_compiled_programs_equal_the_eager_ones(tiny_model_dir):
     """One compiled configuration (Inductor, the decode kernel over fp8 pools) against eager."""
     buckets = dict(

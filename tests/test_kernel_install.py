@@ -65,6 +65,7 @@ def test_a_torch_build_lock_beside_a_whole_library_does_not_block_loading(instal
     assert out.stdout.split()[-1] == "installed"
 
 
+@pytest.mark.slow  # a whole second build of the kernels (2-3 minutes)
 def test_a_kernel_build_killed_midway_does_not_block_the_next_start(tmp_path):
     root = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_AOT_CACHE_DIR": str(root)}

@@ -330,7 +330,11 @@ def test_greedy_generation_matches_hf(tiny_model_dirs, family):
     [
         ("qwen3_moe", []),
         ("mixtral", []),
-        ("mixtral", ["--tensor-parallel-size=2", "--enable-expert-parallel"]),
+        pytest.param(  # ~25 s; expert parallelism stays in the fast suite (test_tensor_parallel)
+            "mixtral",
+            ["--tensor-parallel-size=2", "--enable-expert-parallel"],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["qwen3_moe", "mixtral", "mixtral-ep2"],
 )

@@ -59,7 +59,10 @@ def test_biases_and_qk_norms_split_over_ranks(tiny_model_dirs, family):
     torch.testing.assert_close(ranks[1]["logits"], one["logits"], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)],  # same split, ~20 s
+)
 def test_experts_split_over_two_ranks(tiny_model_dirs, family):
     """Expert parallel (each rank 4 whole experts of 8) and tensor parallel (each expert's
     intermediate features halved): one rank's greedy text and logits."""
@@ -83,7 +86,10 @@ def _smollm2_config(**fields) -> dict:
     return tiny_config(max_num_seqs=4, max_model_len=256, **fields).to_dict()
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize(
+    "quantization",
+    [pytest.param(None, marks=pytest.mark.slow), "gguf"],  # ~35 s each
+)
 def test_smollm2_on_three_ranks(default_model_dir, quantization):
     """9 heads, 3 KV heads over 3 ranks; the GGUF's Q4_1 rows split block by block."""
     fields = _smollm2_config(quantization=quantization)

@@ -46,6 +46,7 @@ def llm_embed(model_dir, engine: dict, prompts: list, log_dir) -> np.ndarray:
     return np.array(json.loads(lines[0].removeprefix(RESULT_PREFIX))["embeddings"])
 
 
+@pytest.mark.slow  # the embeddings server test covers the encoder in the fast suite
 def test_llm_embed_matches_sentence_transformers(embedding_model_dir, tmp_path):
     from sentence_transformers import SentenceTransformer
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 from vllm_aot.testing import free_port, vllm_server_command
 
 
@@ -23,6 +25,7 @@ def start_and_fail(model_dir, args, env, timeout=240) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # compiles programs before vLLM sizes the KV cache
 def test_kv_budget_below_one_max_length_sequence_is_refused(tiny_model_dir):
     # 64 KiB of KV cannot hold one 256-token sequence of the tiny model (8 KiB per 16-token block).
     log = start_and_fail(

@@ -176,6 +176,7 @@ def test_self_speculative_greedy_text_is_byte_identical(tiny_model_dirs, tmp_pat
     assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0, counters
 
 
+@pytest.mark.slow  # the self-speculative server test covers the fast suite
 def test_a_draft_model_of_its_own_is_accepted_throughout(tiny_model_dirs, tmp_path):
     """A copy of the target as a separate draft model (its own programs, weights and pool,
     catching up on each prompt and on what verify steps accept): the text is the plain
@@ -194,8 +195,15 @@ def test_a_draft_model_of_its_own_is_accepted_throughout(tiny_model_dirs, tmp_pa
     ("spec", "additional", "message"),
     [
         ({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3}, {}, "1..8"),
-        ("self", {"draft_layers": 5}, "draft_layers 5 (supported: 1..2"),
-        (None, {"draft_layers": 1}, "draft_layers needs --speculative-config method draft_model"),
+        pytest.param(  # each refusal starts a server: one in the fast suite
+            "self", {"draft_layers": 5}, "draft_layers 5 (supported: 1..2", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            None,
+            {"draft_layers": 1},
+            "draft_layers needs --speculative-config method draft_model",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_unsupported_speculative_configs_are_refused_at_start(
