@@ -21,9 +21,12 @@
 //   call (a call would keep the sums in memory), holds a block's activations in registers for the
 //   tile's rows, and takes a cache line of codes at a time, asking for the one 16 rows on.
 // - more activation rows than one register block: the tile's codes are widened to int16 once into
-//   a buffer that every register block reads (loads where the shifts and masks were). On a Zen 3
-//   this took the runtime's batch-32 decode step from 219-237 to 184-203 ms and batch 1 from
-//   14.7-17.7 to 14.0-16.5 ms (alternated, on a busy host).
+//   a buffer that every register block reads (loads where the shifts and masks were), and its
+//   scales and shifts to float32 once (each register block had widened them again: on a Zen 3 a
+//   quarter to two fifths of a tile's time at 32 rows). The codes' buffer took the runtime's
+//   batch-32 decode step from 219-237 to 184-203 ms (alternated, on a busy host).
+// - a row's scales widen eight at a time, the last part vector by a masked load: no loop of
+//   unknown length, whose mispredicted exits had cost a 576-input tile as much as its blocks.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -130,13 +133,41 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void codes16(const uint8_t* row, int64_t b, __m256
 constexpr int64_t kChunk = 64;  // blocks whose scales a tile widens at a time
 
 // n (<= kChunk) fp16 of a row's per-block plane as float32, zeros after them up to a multiple
-// of 8. No library call: a call would make the kernel keep its sums in memory.
+// of 8. No library call (a call would make the kernel keep its sums in memory) and no loop of
+// unknown length: the last part vector is a masked load (it reads nothing past the n halves),
+// so a tile's scales cost no branch mispredictions (they had cost as much as its blocks).
 VLLM_AOT_AVX2 VLLM_AOT_INLINE void widen_halves(const c10::Half* p, int64_t n, float* out) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-  for (; i < n; ++i) out[i] = _cvtsh_ss(p[i].x);
-  for (; i % 8 != 0; ++i) out[i] = 0.f;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(v));
+  }
+  if (i < n) {  // 1-7 halves left: (rest + 1) / 2 dwords loaded, an odd last one masked off
+    const int rest = static_cast<int>(n - i);
+    const __m128i dwords =
+        _mm_cmpgt_epi32(_mm_set1_epi32((rest + 1) / 2), _mm_setr_epi32(0, 1, 2, 3));
+    const __m128i halves = _mm_cmpgt_epi16(_mm_set1_epi16(static_cast<int16_t>(rest)),
+                                           _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m128i v = _mm_maskload_epi32(reinterpret_cast<const int*>(p + i), dwords);
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_and_si128(v, halves)));
+  }
+}
+
+// Weight row `row`'s factors for blocks c0 .. c0 + n (n <= kChunk) as float32, zeros after them
+// up to a multiple of 8: its scales d, and the shift (m - kOffset * d) that multiplies
+// s * sum(q) (formats with a minimum or an offset).
+template <class F>
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void row_factors(const Weights& w, int64_t row, int64_t c0,
+                                               int64_t n, float* d, float* shift) {
+  widen_halves(w.scale + row * w.blocks + c0, n, d);
+  if constexpr (F::kHasMin) widen_halves(w.min + row * w.blocks + c0, n, shift);
+  if constexpr (F::kOffset != 0)
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 base = F::kHasMin ? _mm256_loadu_ps(shift + i) : _mm256_setzero_ps();
+      _mm256_storeu_ps(shift + i,
+                       _mm256_fnmadd_ps(_mm256_loadu_ps(d + i),
+                                        _mm256_set1_ps(static_cast<float>(F::kOffset)), base));
+    }
 }
 
 // Activation rows 0 .. B against weight rows row0 .. row0 + R. Per chunk of blocks, each
@@ -147,7 +178,7 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void widen_halves(const c10::Half* p, int64_t n, f
 // its sums in registers.
 template <class F, int B, int R, bool kWidened, class Out>
 VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out* out,
-                             const int16_t* widened) {
+                             const int16_t* widened, const float* factors) {
   static_assert(R == 1 || R == kTileRows, "a tile of 4 rows, or one left over");
   constexpr bool kShift = F::kOffset != 0 || F::kHasMin;
   constexpr int64_t kBlockBytes = F::kNibbles ? 16 : 32;
@@ -162,18 +193,22 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
   for (int64_t c0 = 0; c0 < x.blocks; c0 += kChunk) {
     const int64_t n = std::min(kChunk, x.blocks - c0);
     for (int r = 0; r < R; ++r) {
-      alignas(32) float d[kChunk], shift[kChunk];
-      widen_halves(w.scale + (row0 + r) * w.blocks + c0, n, d);
-      if constexpr (F::kHasMin) widen_halves(w.min + (row0 + r) * w.blocks + c0, n, shift);
+      alignas(32) float own_d[kChunk], own_shift[kChunk];
+      const float* d = own_d;
+      const float* shift = own_shift;
+      if constexpr (kWidened) {
+        d = factors + 2 * r * x.stride + c0;
+        shift = d + x.stride;
+      } else {
+        row_factors<F>(w, row0 + r, c0, n, own_d, own_shift);
+      }
       for (int64_t i = 0; i < n; i += 8) {
-        const __m256 dv = _mm256_load_ps(d + i);
+        const __m256 dv = _mm256_loadu_ps(d + i);
         for (int b = 0; b < B; ++b)
           _mm256_store_ps(ds[b][r] + i,
                           _mm256_mul_ps(dv, _mm256_loadu_ps(x.scales + b * x.stride + c0 + i)));
         if constexpr (kShift) {
-          __m256 v = F::kHasMin ? _mm256_load_ps(shift + i) : _mm256_setzero_ps();
-          if constexpr (F::kOffset != 0)
-            v = _mm256_fnmadd_ps(dv, _mm256_set1_ps(static_cast<float>(F::kOffset)), v);
+          const __m256 v = _mm256_loadu_ps(shift + i);
           for (int b = 0; b < B; ++b)
             acc[b][r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x.sums + b * x.stride + c0 + i),
                                         acc[b][r]);
@@ -240,12 +275,20 @@ template <class F, int R, class Out>
 VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const Fixed& x, int64_t m, Out* out) {
   if (m <= kRowBlock) {
     row_blocks<kRowBlock>(m, [&](auto block, int64_t b) {
-      tile_rows<F, decltype(block)::value, R, false>(w, row0, x.from(b), out + b * w.n, nullptr);
+      tile_rows<F, decltype(block)::value, R, false>(w, row0, x.from(b), out + b * w.n, nullptr,
+                                                      nullptr);
     });
     return;
   }
   thread_local std::vector<int16_t> widened;
+  thread_local std::vector<float> factors;  // per row: d, then the shift; `stride` each
   widened.resize(R * x.blocks * kBlock);
+  factors.resize(2 * R * x.stride);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c0 = 0; c0 < x.blocks; c0 += kChunk) {
+      float* d = factors.data() + 2 * r * x.stride + c0;
+      row_factors<F>(w, row0 + r, c0, std::min(kChunk, x.blocks - c0), d, d + x.stride);
+    }
   for (int r = 0; r < R; ++r)
     for (int64_t blk = 0; blk < x.blocks; ++blk) {
       __m256i lo, hi;
@@ -256,7 +299,7 @@ VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const Fixed& x, int64_t 
     }
   row_blocks<kRowBlock>(m, [&](auto block, int64_t b) {
     tile_rows<F, decltype(block)::value, R, true>(w, row0, x.from(b), out + b * w.n,
-                                                   widened.data());
+                                                   widened.data(), factors.data());
   });
 }
 
