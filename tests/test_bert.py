@@ -79,6 +79,7 @@ def test_embeddings_match_sentence_transformers(
     assert sum(model.num_executions.values()) > 3 * len(SENTENCES) // 32
 
 
+@pytest.mark.slow  # compiles MiniLM's programs again; the embeddings server test compares them
 def test_compiled_programs_match_sentence_transformers(embedding_model_dir, sequences, reference):
     shapes = {"max_num_batched_tokens": 64, "prefill_token_buckets": (64,)}
     model, _ = load_model(embedding_model_dir, config(backend="inductor", **shapes))

@@ -86,10 +86,8 @@ def _smollm2_config(**fields) -> dict:
     return tiny_config(max_num_seqs=4, max_model_len=256, **fields).to_dict()
 
 
-@pytest.mark.parametrize(
-    "quantization",
-    [pytest.param(None, marks=pytest.mark.slow), "gguf"],  # ~35 s each
-)
+@pytest.mark.slow  # ~35 s each; the tiny models' splits and test_gguf's planes stay fast
+@pytest.mark.parametrize("quantization", [None, "gguf"])
 def test_smollm2_on_three_ranks(default_model_dir, quantization):
     """9 heads, 3 KV heads over 3 ranks; the GGUF's Q4_1 rows split block by block."""
     fields = _smollm2_config(quantization=quantization)
