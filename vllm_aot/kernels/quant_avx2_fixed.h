@@ -171,8 +171,10 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void row_factors(const Weights& w, int64_t row, in
 }
 
 // Activation rows 0 .. B against weight rows row0 .. row0 + R. Per chunk of blocks, each
-// weight row's scales are widened once and multiplied by each activation row's (d * s, so the
-// inner loop scales a block's sums with one broadcast), and the minimum and offset terms,
+// weight row's factors (`row_factors`: widened here, or with kWidened read from `factors`, which
+// `rows` widened once for the tile, as it did the codes into `widened`) are multiplied by each
+// activation row's scales (d * s, so the inner loop scales a block's sums with one broadcast),
+// and the minimum and offset terms,
 // (m - kOffset * d) * s * sum(q), join the sums eight blocks at a time. The inner loop then
 // takes a cache line of each row's codes at a time (asking for the line kPrefetchRows rows on),
 // its sums in registers.
