@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -138,60 +139,87 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m128 offset_terms(const Weights& w, int64
   return lane_sums<R>(acc);
 }
 
-// Group g of a row's codes (`left` blocks from its first on, fewer than 4 at the row's end) as
-// unsigned bytes: inputs 0-15 of each of its blocks in `lo`, 16-31 in `hi`, a block a lane.
-template <class F>
+// Group g of a row's codes (`left` blocks from its first on: fewer than 4 only in a row's last
+// group, loaded under a mask; kWhole groups load whole) as unsigned bytes: inputs 0-15 of each of
+// its blocks in `lo`, 16-31 in `hi`, a block a lane.
+template <class F, bool kWhole>
 VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_t g, int64_t left,
                                                       __m512i& lo, __m512i& hi) {
-  const auto mask = [](int64_t bytes) {
-    return bytes >= 64 ? ~__mmask64{0} : bytes <= 0 ? __mmask64{0} : (__mmask64{1} << bytes) - 1;
+  const auto load = [](const uint8_t* p, int64_t bytes) VLLM_AOT_AVX512_VNNI {
+    if constexpr (kWhole) return _mm512_loadu_si512(p);
+    const __mmask64 mask =
+        bytes >= 64 ? ~__mmask64{0} : bytes <= 0 ? __mmask64{0} : (__mmask64{1} << bytes) - 1;
+    return _mm512_maskz_loadu_epi8(mask, p);
   };
   if constexpr (F::kNibbles) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i v = _mm512_maskz_loadu_epi8(mask(16 * left), row + 64 * g);
+    const __m512i v = load(row + 64 * g, 16 * left);
     lo = _mm512_and_si512(v, low);
     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   } else {  // blocks 0, 1 in a, 2, 3 in b: [0 lo, 0 hi, 1 lo, 1 hi] -> [0 lo, 1 lo, 2 lo, 3 lo]
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const uint8_t* p = row + 128 * g;
-    const __m512i a = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask(32 * left), p), flip);
-    const __m512i b = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask(32 * left - 64), p + 64), flip);
+    const __m512i a = _mm512_xor_si512(load(p, 32 * left), flip);
+    const __m512i b = _mm512_xor_si512(load(p + 64, 32 * left - 64), flip);
     lo = _mm512_permutex2var_epi64(a, _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0), b);
     hi = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2), b);
   }
 }
 
+// Group g of the tile's rows (their codes from `rows`, their block scales `d` spread over the
+// group's lanes) against activation rows 0 .. B, into acc.
+template <class F, int B, int R, bool kWhole>
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows)[R],
+                                                     int64_t ahead, int64_t g, int64_t left,
+                                                     const __m512 (&d)[R], const Arranged& x,
+                                                     __m512 (&acc)[B][R]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
+      prefetch_line(rows[r] + ahead + kGroupBytes<F> * g + line);
+    __m512i lo, hi;
+    group_codes<F, kWhole>(rows[r], g, left, lo, hi);
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      const int8_t* q = x.q + (b * x.groups + g) * 256;
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q)),
+                                            hi, _mm512_loadu_si512(q + 128));
+      const __m512i l =
+          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q + 64)), hi,
+                              _mm512_loadu_si512(q + 192));
+      const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
+      const __m512 s = _mm512_loadu_ps(x.scales + (b * x.groups + g) * 16);
+      acc[b][r] = _mm512_fmadd_ps(t, _mm512_mul_ps(d[r], s), acc[b][r]);
+    }
+  }
+}
+
 // Activation rows 0 .. B against weight rows row0 .. row0 + R. (Bytes past a row's last block
-// load as zeros, or 0x80 flipped from them, against zero activations.)
+// load as zeros, or 0x80 flipped from them, against zero activations.) Only a row's last group
+// may be part of one, so the others load without a mask, and the loops over rows are unrolled so
+// the sums stay in registers (a one-row tile of SmolLM2's [3072, 576] on a Zen 4: 15-18 % faster
+// than one mask and one row pointer worked out a group, with the same sums in the same order).
 template <class F, int B, int R, class Out>
 VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arranged& x, Out* out) {
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   prefetch_planes<R>(w, row0);
-  __m512 scales[R];
-  for (int64_t g = 0; g < x.groups; ++g) {
-    if (g % 4 == 0)
-      for (int r = 0; r < R; ++r)
-        scales[r] = sixteen_halves(w.scale + (row0 + r) * w.blocks, 4 * g, w.blocks);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* row = w.q + (row0 + r) * w.q_stride;
-      for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
-        prefetch_line(row + kPrefetchRows * w.q_stride + kGroupBytes<F> * g + line);
-      __m512i lo, hi;
-      group_codes<F>(row, g, w.blocks - 4 * g, lo, hi);
-      const __m512 d = group_scales(scales[r], static_cast<int>(g % 4));
-      for (int b = 0; b < B; ++b) {
-        const int8_t* q = x.q + (b * x.groups + g) * 256;
-        const __m512i zero = _mm512_setzero_si512();
-        const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q)),
-                                              hi, _mm512_loadu_si512(q + 128));
-        const __m512i l =
-            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q + 64)), hi,
-                                _mm512_loadu_si512(q + 192));
-        const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
-        const __m512 s = _mm512_loadu_ps(x.scales + (b * x.groups + g) * 16);
-        acc[b][r] = _mm512_fmadd_ps(t, _mm512_mul_ps(d, s), acc[b][r]);
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w.q + (row0 + r) * w.q_stride;
+  const int64_t ahead = kPrefetchRows * w.q_stride, whole = w.blocks / 4;
+  for (int64_t c = 0; c < x.groups; c += 4) {  // 16 blocks: one vector of scales a row
+    __m512 scales[R];
+    for (int r = 0; r < R; ++r)
+      scales[r] = sixteen_halves(w.scale + (row0 + r) * w.blocks, 4 * c, w.blocks);
+    for (int64_t g = c; g < std::min(c + 4, x.groups); ++g) {
+      __m512 d[R];
+      for (int r = 0; r < R; ++r) d[r] = group_scales(scales[r], static_cast<int>(g - c));
+      if (g < whole) {
+        group_step<F, B, R, true>(rows, ahead, g, 4, d, x, acc);
+      } else {
+        group_step<F, B, R, false>(rows, ahead, g, w.blocks - 4 * g, d, x, acc);
       }
     }
   }
