@@ -3,14 +3,18 @@
     .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128,copy]
                                          [--systems ours,ours-sync,ours-bf16,ours-ngram,
                                                     ours-self,vllm,llamacpp]
-                                         [--serve-args "--max-num-seqs 8"]
+                                         [--serve-args "--max-num-seqs 8"] [--rounds 1]
                                          [--dtype bfloat16] [--num-speculative-tokens K]
                                          [--llamacpp-server native|python]
 
-Each system is started once (start-up: launch to its first successful health request), then
-driven by `vllm bench serve` (random data, ignore-eos, streaming /v1/completions) for every case
-and concurrency, with `--prompts-per-stream` prompts per concurrent stream and one seed per run
-(the same prompts for every system, no prompt repeated from an earlier run). Ours is `vllm-aot
+Each system is started once (start-up: launch to its first successful health request; one
+after the other, and all of them stay up), then driven by `vllm bench serve` (random data,
+ignore-eos, streaming /v1/completions) for every case and concurrency, with
+`--prompts-per-stream` prompts per concurrent stream and one seed per run (the same prompts for
+every system, no prompt repeated from an earlier run). Each run goes to every system in turn,
+the first one rotating from run to run, so a shared host that slows down during the benchmark
+slows every system alike; `--rounds N` repeats every run N times and reports each figure's
+median. Ours is `vllm-aot
 serve` on the bundled GGUF's blocks (`--quantization gguf`, its default; `ours-bf16`, not run
 by default, serves the same weights dequantised to the dtype; `ours-sync`, the GGUF scheduled
 synchronously, `--no-async-scheduling`), programs from the compile cache;
@@ -37,12 +41,14 @@ naming no model, so the served model drafts for itself from its first `--draft-l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,7 +58,7 @@ from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
 from perf_plot import draw
 from rich.console import Console
 from rich.table import Table
-from serve_bench import run_vllm_bench
+from serve_bench import padding_counters, padding_waste, run_vllm_bench
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
@@ -160,86 +166,103 @@ def full_length_figures(result: dict, output_len: int) -> Figures:
     )
 
 
-def padding_counters(url: str) -> dict[tuple[str, str, str], float]:
-    """Our bucket counters from /metrics: (series, kind, slot) -> value."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
+@dataclass(frozen=True)
+class Running:
+    """A started server: its URL, how it is driven, its start-up seconds and port."""
 
-    counters = {}
-    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=10).text):
-        if family.name in ("vllm_aot:bucket_rows", "vllm_aot:bucket_tokens"):
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    key = (family.name.split(":")[1], sample.labels["kind"], sample.labels["slot"])
-                    counters[key] = sample.value
-    return counters
+    url: str
+    spec: Server
+    startup: float
+    port: int
 
 
-def padding_waste(before: dict, after: dict) -> str:
-    """`decode rows 12 % padding, prefill tokens 30 % padding` for the counters' difference."""
-    parts = []
-    for series, kind in (("bucket_rows", "decode"), ("bucket_tokens", "prefill")):
-        real, pad = (after.get((series, kind, s), 0) - before.get((series, kind, s), 0)
-                     for s in ("real", "padding"))  # fmt: skip
-        if real + pad:
-            what = series.split("_")[1]
-            parts.append(f"{kind} {what} {100 * pad / (real + pad):.0f} % padding")
-    return ", ".join(parts)
-
-
-def measure(system: str, model: Path, args, out_dir: Path) -> tuple[float, dict]:
+def start(system: str, model: Path, args, out_dir: Path, stack: contextlib.ExitStack) -> Running:
+    """Start one system's server (kept up until `stack` closes) and time its start-up."""
     port = free_port()
     spec = server(system, model, port, args)
-    results = {}
-    start = time.monotonic()
-    with running_server(
-        spec.command,
-        port=port,
-        env=dict(spec.env),
-        log_path=out_dir / f"{system}-serve.log",
-        timeout=1800,
-        health_path=spec.health_path,
-    ) as url:
-        startup = time.monotonic() - start
-        runs = itertools.product(args.cases, args.concurrency)
-        for seed, (case, concurrency) in enumerate(runs):
-            num_prompts = max(2, args.prompts_per_stream * concurrency)
-            input_len, output_len, case_extra = case_args(case, num_prompts, out_dir)
-            bench_args = SimpleNamespace(
-                input_len=input_len,
-                output_len=output_len,
-                num_prompts=num_prompts,
-                concurrency=concurrency,
-            )
-            tag = f"{system}-{case}-c{concurrency}"
-            detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
-            counters = padding_counters(url) if system.startswith("ours") else {}
-            drafts = spec_counters(url) if system in SPEC_SYSTEMS else {}
-            r = run_vllm_bench(
-                url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
-                seed=seed, extra_args=(*spec.bench_args, *detailed, *case_extra),
-            )  # fmt: skip
-            if spec.is_counted_at_full_length:
-                results[(case, concurrency)] = full_length_figures(r, output_len)
-                print(
-                    f"{tag}: {r['completed']} requests counted at {output_len} tokens each "
-                    f"(re-tokenising their text gives {r['total_output_tokens']} in all)"
-                )
-            else:
-                results[(case, concurrency)] = Figures(
-                    output_tok_s=r["output_throughput"],
-                    mean_ttft_ms=r["mean_ttft_ms"],
-                    p99_ttft_ms=r["p99_ttft_ms"],
-                    mean_tpot_ms=r["mean_tpot_ms"],
-                    p99_tpot_ms=r["p99_tpot_ms"],
-                )
-            if system.startswith("ours"):
-                time.sleep(1.5)  # the worker writes its counters about once a second
-                print(f"{tag}: {padding_waste(counters, padding_counters(url))}")
-            if system in SPEC_SYSTEMS:
-                print(f"{tag}: {acceptance(drafts, spec_counters(url))}")
-        memory = server_memory(port)
-    return startup, results, memory
+    begin = time.monotonic()
+    url = stack.enter_context(
+        running_server(
+            spec.command,
+            port=port,
+            env=dict(spec.env),
+            log_path=out_dir / f"{system}-serve.log",
+            timeout=1800,
+            health_path=spec.health_path,
+        )
+    )
+    return Running(url, spec, time.monotonic() - begin, port)
+
+
+def run_once(system: str, server_: Running, model: Path, run: tuple, seed: int, args, out_dir):
+    """One case at one concurrency on one running system: its figures."""
+    (case, concurrency), url, spec = run, server_.url, server_.spec
+    num_prompts = max(2, args.prompts_per_stream * concurrency)
+    input_len, output_len, case_extra = case_args(case, num_prompts, out_dir)
+    bench_args = SimpleNamespace(
+        input_len=input_len, output_len=output_len, num_prompts=num_prompts, concurrency=concurrency
+    )
+    tag = f"{system}-{case}-c{concurrency}-s{seed}"
+    detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
+    counters = padding_counters(url) if system.startswith("ours") else {}
+    drafts = spec_counters(url) if system in SPEC_SYSTEMS else {}
+    r = run_vllm_bench(
+        url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
+        seed=seed, extra_args=(*spec.bench_args, *detailed, *case_extra),
+    )  # fmt: skip
+    if spec.is_counted_at_full_length:
+        figures = full_length_figures(r, output_len)
+        print(
+            f"{tag}: {r['completed']} requests counted at {output_len} tokens each "
+            f"(re-tokenising their text gives {r['total_output_tokens']} in all)"
+        )
+    else:
+        figures = Figures(
+            output_tok_s=r["output_throughput"],
+            mean_ttft_ms=r["mean_ttft_ms"],
+            p99_ttft_ms=r["p99_ttft_ms"],
+            mean_tpot_ms=r["mean_tpot_ms"],
+            p99_tpot_ms=r["p99_tpot_ms"],
+        )
+    print(f"{tag}: {figures.output_tok_s:.1f} tok/s", flush=True)
+    if system.startswith("ours"):
+        time.sleep(1.5)  # the worker writes its counters about once a second
+        print(f"{tag}: {padding_waste(counters, padding_counters(url))}")
+    if system in SPEC_SYSTEMS:
+        print(f"{tag}: {acceptance(drafts, spec_counters(url))}")
+    return figures
+
+
+def median_figures(samples: list[Figures]) -> Figures:
+    """Each figure's median over the rounds."""
+    names = [field.name for field in fields(Figures)]
+    return Figures(*(statistics.median(getattr(f, name) for f in samples) for name in names))
+
+
+def measure_all(systems: list[str], model: Path, args, out_dir: Path) -> dict:
+    """Every system's server up at once; each run (case, concurrency) on every system in turn,
+    the order rotating from run to run and round to round, so a host that drifts during the
+    benchmark moves every system alike. Per system: (start-up, {run: median figures}, memory)."""
+    runs = list(itertools.product(args.cases, args.concurrency))
+    samples: dict = {system: {run: [] for run in runs} for system in systems}
+    with contextlib.ExitStack() as stack:
+        servers = {system: start(system, model, args, out_dir, stack) for system in systems}
+        for round_ in range(args.rounds):
+            for i, run in enumerate(runs):
+                seed = round_ * len(runs) + i  # the same prompts for every system, never repeated
+                turn = (round_ + i) % len(systems)
+                for system in systems[turn:] + systems[:turn]:
+                    figures = run_once(system, servers[system], model, run, seed, args, out_dir)
+                    samples[system][run].append(figures)
+        memory = {system: server_memory(servers[system].port) for system in systems}
+    return {
+        system: (
+            servers[system].startup,
+            {run: median_figures(samples[system][run]) for run in runs},
+            memory[system],
+        )
+        for system in systems
+    }
 
 
 def server_memory(port: int) -> float:
@@ -328,6 +351,7 @@ def main() -> None:
     parser.add_argument("--cases", default="128x128,1024x128", help="INPUTxOUTPUT,...")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--prompts-per-stream", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every case; medians")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--serve-args", default="", help="extra flags for every vllm-aot serve")
     parser.add_argument("--draft-layers", type=int, default=None, help="ours-self's draft")
@@ -344,7 +368,7 @@ def main() -> None:
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="vllm-aot-perf-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     model = prepare_default_model()
-    runs = {system: measure(system, model, args, out_dir) for system in systems}
+    runs = measure_all(systems, model, args, out_dir)
     print_table(runs, systems, args)
     title = f"{DEFAULT_MODEL_NAME}, vllm bench serve (random, ignore-eos)"
     results = {system: runs[system][1] for system in systems}

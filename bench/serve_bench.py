@@ -69,6 +69,33 @@ class ProxyLatency:
     added_p90_ms: float  # p90 of (proxied - direct) over alternated pairs
 
 
+def padding_counters(url: str) -> dict[tuple[str, str, str], float]:
+    """Our bucket counters from /metrics: (series, kind, slot) -> value."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = {}
+    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=10).text):
+        if family.name in ("vllm_aot:bucket_rows", "vllm_aot:bucket_tokens"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (family.name.split(":")[1], sample.labels["kind"], sample.labels["slot"])
+                    counters[key] = sample.value
+    return counters
+
+
+def padding_waste(before: dict, after: dict) -> str:
+    """`decode rows 12 % padding, prefill tokens 30 % padding` for the counters' difference."""
+    parts = []
+    for series, kind in (("bucket_rows", "decode"), ("bucket_tokens", "prefill")):
+        real, pad = (after.get((series, kind, s), 0) - before.get((series, kind, s), 0)
+                     for s in ("real", "padding"))  # fmt: skip
+        if real + pad:
+            what = series.split("_")[1]
+            parts.append(f"{kind} {what} {100 * pad / (real + pad):.0f} % padding")
+    return ", ".join(parts)
+
+
 def run_vllm_bench(
     url: str,
     model_dir: Path,
