@@ -24,11 +24,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from copy_case import acceptance, case_args, spec_counters
-from perf_bench import server
+from perf_bench import start
 from serve_bench import run_vllm_bench
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
-from vllm_aot.testing import free_port, running_server
 
 
 def main() -> None:
@@ -53,14 +52,7 @@ def main() -> None:
     cases = args.cases.split(",")
     tok_s: dict[tuple[str, str], list[float]] = {(s, c): [] for s in systems for c in cases}
     with contextlib.ExitStack() as stack:
-        urls = {}
-        for system in systems:
-            port = free_port()
-            spec = server(system, model, port, args)
-            log = out_dir / f"{system}-serve.log"
-            urls[system] = stack.enter_context(
-                running_server(spec.command, port=port, log_path=log, timeout=1800)
-            )
+        urls = {system: start(system, model, args, out_dir, stack).url for system in systems}
         before = spec_counters(urls[args.against])
         seed = 0
         for round_ in range(args.rounds):
