@@ -17,7 +17,7 @@ from vllm_aot.models.embedding_model import embedding_model_dir, prepare_embeddi
 from vllm_aot.models.pooling import Pooling, pool, read_pooling
 from vllm_aot.models.registry import arch_from_hf_config, load_arch
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.inputs import EncoderSequence
+from vllm_aot.runtime.encode_inputs import EncoderSequence
 
 SENTENCES = [
     "Hi.",
@@ -83,7 +83,7 @@ def test_embeddings_match_sentence_transformers(
 def test_compiled_programs_match_sentence_transformers(embedding_model_dir, sequences, reference):
     shapes = {"max_num_batched_tokens": 64, "prefill_token_buckets": (64,)}
     model, _ = load_model(embedding_model_dir, config(backend="inductor", **shapes))
-    assert sorted(k.name for k in model.programs) == ["encode_t64"]
+    assert sorted(k.name for k in model.programs) == ["encode_t64_w64"]
     short = [i for i, s in enumerate(sequences) if len(s.token_ids) <= 64]
     ours = model.embed([sequences[i] for i in short], read_pooling(embedding_model_dir))
     assert F.cosine_similarity(ours, reference[short]).min() >= 0.9999

@@ -64,3 +64,60 @@ def test_unsupported_architecture_lists_the_supported_ones():
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
     with pytest.raises(ValueError, match="supported: BertModel, LlamaForCausalLM, Mistral"):
         arch_from_hf_config(config)
+
+
+def test_an_encode_step_takes_the_smallest_bucket_then_the_narrowest_window():
+    """Sentences of a few dozen tokens attend in windows of 64, not max_model_len's 256, and
+    pack longest first: 40 + 20 share a window that 40 + 40 + 20 in order would not leave."""
+    from vllm_aot.runtime.encode_inputs import EncoderSequence, encode_layout, prepare_encode
+
+    config = RuntimeConfig(runner="pooling", max_model_len=256, max_num_seqs=32)
+    assert [k.name for k in all_program_keys(config)] == [
+        "encode_t32_w32",
+        "encode_t64_w64",
+        "encode_t128_w64",
+        "encode_t128_w128",
+        "encode_t256_w64",
+        "encode_t256_w128",
+        "encode_t256_w256",
+        "encode_t512_w64",
+        "encode_t512_w128",
+        "encode_t512_w256",
+    ]
+    key, starts = encode_layout([40, 40, 20], config)
+    assert (key.size, key.window) == (128, 64)
+    assert sorted(starts) == [0, 40, 64]  # 40 | 40 + 20: two windows of 64
+    key, _ = encode_layout([100, 20], config)
+    assert (key.size, key.window) == (128, 128)
+    key, _ = encode_layout([200, 100], config)
+    assert (key.size, key.window) == (512, 256)
+    assert encode_layout([256, 256, 1], config) is None
+
+    sequences = [EncoderSequence([7] * n) for n in (40, 40, 20)]
+    inputs = prepare_encode(sequences, config)
+    assert inputs.attn_mask.shape == (2, 64, 64)
+    for seq, start in zip(sequences, inputs.starts, strict=True):
+        window, offset = divmod(start, 64)
+        n = len(seq.token_ids)
+        assert offset + n <= 64  # within one window
+        assert inputs.attn_mask[window, offset, offset : offset + n].all()
+        assert inputs.attn_mask[window, offset].sum() == n  # sees its own sequence alone
+        assert inputs.positions[start : start + n].tolist() == list(range(n))
+
+
+def test_encode_steps_pack_longest_first_and_keep_sentences_out_of_a_passages_window():
+    """A passage of 200 tokens and sentences of 10-60: the passage's step attends over 256,
+    the sentences' steps over 64, and a short sentence fills the gap a longer one left."""
+    from vllm_aot.runtime.encode_inputs import encode_layout, encode_steps
+
+    config = RuntimeConfig(runner="pooling", max_model_len=256, max_num_seqs=32)
+    lengths = [10, 200, *([60] * 9), 50, 30]
+    steps = encode_steps(lengths, config)
+    assert sorted(i for step in steps for i in step) == list(range(len(lengths)))
+    keys = [encode_layout([lengths[i] for i in step], config)[0] for step in steps]
+    assert (keys[0].name, steps[0]) == ("encode_t256_w256", [1])  # the passage alone
+    assert [k.name for k in keys[1:]] == ["encode_t512_w64", "encode_t256_w64"]
+    last = [lengths[i] for i in steps[2]]
+    assert last == [60, 50, 30, 10]
+    _, starts = encode_layout(last, config)
+    assert starts[3] // 64 == starts[1] // 64  # the 10 fills the 50's window

@@ -99,16 +99,21 @@ def test_keys_change_with_what_changes_the_program():
 
 
 def test_an_encode_program_is_keyed_by_its_attention_window():
-    """encode_t512 attends in windows of 256 under max_model_len 256 and in one of 512 under 512:
-    its mask input differs, so one must never be served for the other."""
+    """encode_t512 in windows of 64 and of 256 take masks of other shapes: one must never be
+    served for the other. Windows run from 64 to the smallest power of two holding
+    max_model_len, those dividing the bucket."""
     from vllm_aot.cache.keys import program_cache_key
     from vllm_aot.runtime.config import RuntimeConfig
     from vllm_aot.runtime.programs import ProgramKey, ProgramKind
 
-    key = ProgramKey(ProgramKind.ENCODE, 512)
-    configs = [RuntimeConfig(runner="pooling", max_model_len=n) for n in (256, 512)]
-    assert [c.encode_window(512) for c in configs] == [256, 512]
-    keys = {program_cache_key(tiny_arch(), c, key) for c in configs}
+    config = RuntimeConfig(runner="pooling", max_model_len=256)
+    assert config.encode_windows(512) == (64, 128, 256)
+    assert config.encode_windows(32) == (32,)
+    assert RuntimeConfig(runner="pooling", max_model_len=512).encode_windows(512)[-1] == 512
+    keys = {
+        program_cache_key(tiny_arch(), config, ProgramKey(ProgramKind.ENCODE, 512, window=w))
+        for w in (64, 256)
+    }
     assert len(keys) == 2
 
 

@@ -16,7 +16,8 @@ from vllm_aot.loading.startup import load_model
 from vllm_aot.models.pooling import Pooling, pool
 from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.inputs import EncoderSequence, PrefillChunk
+from vllm_aot.runtime.encode_inputs import EncoderSequence
+from vllm_aot.runtime.inputs import PrefillChunk
 
 
 @pytest.fixture(scope="module")

@@ -126,8 +126,8 @@ def program_fingerprint(arch: ModelArch, config: RuntimeConfig, key: ProgramKey)
             "size": key.size,
             "context": key.context_tokens,
             "drafts": key.num_drafts,
-            # an encode program's attention windows (its mask's shape) follow max_model_len
-            "window": config.encode_window(key.size) if key.kind is ProgramKind.ENCODE else None,
+            # an encode program's attention window (its mask's shape)
+            "window": key.window if key.kind is ProgramKind.ENCODE else None,
         },
         "runtime": {name: shapes[name] for name in _PROGRAM_FIELDS},
         "backend": "inductor",

@@ -208,13 +208,14 @@ def _log_shapes(runtime, artifact_dir, *, is_async: bool) -> None:
     if runtime.is_encoder_runner:
         logger.info(
             "vllm-aot: %s backend, %s, weights %s, encoder (no KV cache), max_num_seqs=%d, "
-            "max_model_len=%d, encode buckets %s%s",
+            "max_model_len=%d, encode buckets %s, attention windows %s%s",
             runtime.backend,
             runtime.dtype,
             runtime.formats_summary(),
             runtime.max_num_seqs,
             runtime.max_model_len,
             runtime.prefill_token_buckets,
+            runtime.encode_windows(max(runtime.prefill_token_buckets)),
             source,
         )
         return

@@ -29,8 +29,9 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_aot.models.pooling import PooledChunks, Pooling, pool
 from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
+from vllm_aot.runtime.encode_inputs import EncoderSequence
 from vllm_aot.runtime.encoder import EncoderModel
-from vllm_aot.runtime.inputs import EncoderSequence, PrefillChunk, prefill_key
+from vllm_aot.runtime.inputs import PrefillChunk, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
@@ -128,9 +129,8 @@ class PoolingRunner:
 
     def _groups(self, rows: Sequence[EncoderRow]) -> list[list[EncoderRow]]:
         """Rows in the encode steps `EncoderModel.steps` packs their sequences into."""
-        by_sequence = {id(r.sequence): r for r in rows}
         steps = self.model.steps([r.sequence for r in rows])
-        return [[by_sequence[id(s)] for s in step] for step in steps]
+        return [[rows[i] for i in step] for step in steps]
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         """Nothing to sample: `execute_model` returned the step's output."""

@@ -114,6 +114,7 @@ def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: 
                 "size": k.size,
                 "context": k.context_tokens,
                 "drafts": k.num_drafts,
+                "window": k.window,
                 "path": str(p),
             }
             for k, p in jobs
@@ -186,7 +187,9 @@ def main(job_file: str) -> None:
     arch = ModelArch(**{**payload["arch"], "rope": RopeSpec(**payload["arch"]["rope"])})
     config = RuntimeConfig.from_dict(payload["config"])
     for job in payload["jobs"]:
-        key = ProgramKey(ProgramKind(job["kind"]), job["size"], job["context"], job["drafts"])
+        key = ProgramKey(
+            ProgramKind(job["kind"]), job["size"], job["context"], job["drafts"], job["window"]
+        )
         secs = compile_program(key, arch, config, Path(job["path"]))
         print(f"done {key.name} {secs:.3f}", flush=True)
 

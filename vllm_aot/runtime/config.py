@@ -33,6 +33,7 @@ CONVERTS = ("embed",)
 ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
 MAX_SPECULATIVE_TOKENS = 8  # drafts per row a verify program takes at most
 DEFAULT_MAX_VERIFY_BATCH = 8  # verify programs by default up to this batch bucket
+MIN_ENCODE_WINDOW = 64  # narrowest attention window of encode programs (`encode_windows`)
 
 
 @dataclass(frozen=True)
@@ -212,13 +213,19 @@ class RuntimeConfig:
         """Runner "pooling" of a model as it is (an encoder: encode programs, no KV cache)."""
         return self.runner == "pooling" and self.convert is None
 
-    def encode_window(self, num_tokens: int) -> int:
-        """The attention window of an encode program of `num_tokens`: sequences never cross a
-        window's edge and attend within theirs, so attention costs tokens x window, not
-        tokens^2. The smallest power of two holding max_model_len, where it divides the bucket;
-        else the whole bucket."""
-        window = 1 << (self.max_model_len - 1).bit_length()
-        return window if num_tokens % window == 0 else num_tokens
+    def encode_windows(self, num_tokens: int) -> tuple[int, ...]:
+        """The attention windows of the encode programs of `num_tokens`: sequences are packed
+        into windows, none across an edge, and attend within their window, so attention costs
+        tokens x window, not tokens^2. Powers of two from 64 up to the smallest holding
+        max_model_len, those dividing the bucket (a step takes the smallest that holds its
+        longest sequence: sentences of a few dozen tokens attend over 64, not max_model_len),
+        and the whole bucket where it is narrower than the widest."""
+        widest = 1 << (self.max_model_len - 1).bit_length()
+        powers = powers_of_two(min(MIN_ENCODE_WINDOW, widest), widest)
+        windows = [w for w in powers if num_tokens % w == 0]
+        if num_tokens <= widest and num_tokens not in windows:
+            windows.append(num_tokens)
+        return tuple(windows)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

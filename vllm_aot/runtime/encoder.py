@@ -1,12 +1,13 @@
 """EncoderModel: an encoder's weights and its encode programs (runner "pooling"); runs whole
 sequences, several packed in one token bucket a step, and pools each into its embedding.
 
-A step: `prepare_encode` packs the sequences, none across an attention window, and builds the
-bidirectional mask (each token sees its own sequence); the family's embedding stage runs on the
-host (`Family.embed`: word, position and token-type rows, a LayerNorm), then the step's
-`encode_t{T}` program once per layer. There is no KV cache: nothing is written, so nothing is
-kept between steps. Counters and spans are `CompiledModel`'s (`num_executions`, `step_stats`,
-`program_seconds`, `spans`).
+A step: `prepare_encode` packs the sequences into the windows of an encode program (the
+smallest token bucket, then the narrowest window holding the longest sequence; none across a
+window's edge) and builds the bidirectional mask (each token sees its own sequence); the
+family's embedding stage runs on the host (`Family.embed`: word, position and token-type rows,
+a LayerNorm), then the step's `encode_t{T}_w{W}` program once per layer. There is no KV cache:
+nothing is written, so nothing is kept between steps. Counters and spans are `CompiledModel`'s
+(`num_executions`, `step_stats`, `program_seconds`, `spans`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import ModelWeights
 from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.inputs import EncoderSequence, encode_layout, prepare_encode
+from vllm_aot.runtime.encode_inputs import EncoderSequence, encode_steps, prepare_encode
 from vllm_aot.runtime.profiling import Spans
 from vllm_aot.runtime.programs import ProgramKey, flatten_weights
 from vllm_aot.runtime.step_stats import StepStats
@@ -84,31 +85,23 @@ class EncoderModel:
             for start, s in zip(inputs.starts, sequences, strict=True)
         ]
 
-    def steps(self, sequences: Sequence[EncoderSequence]) -> list[list[EncoderSequence]]:
-        """Sequences in order, grouped into steps as large as the largest bucket holds
-        (`encode_layout`). Raises ValueError for a sequence no bucket holds alone (naming the
-        limit), or an empty one."""
+    def steps(self, sequences: Sequence[EncoderSequence]) -> list[list[int]]:
+        """The sequences (their indices) grouped into steps (`inputs.encode_steps`). Raises
+        ValueError for a sequence no bucket holds alone (naming the limit), or an empty one."""
         limit = min(max(self.config.prefill_token_buckets), self.config.max_model_len)
-        groups: list[list[EncoderSequence]] = []
-        lengths: list[int] = []
         for seq in sequences:
-            n = len(seq.token_ids)
-            if not 0 < n <= limit:
+            if not 0 < len(seq.token_ids) <= limit:
                 raise ValueError(
-                    f"a sequence of {n} tokens cannot be encoded: 1 to {limit} tokens "
-                    "(max_model_len and the largest encode bucket) are supported"
+                    f"a sequence of {len(seq.token_ids)} tokens cannot be encoded: 1 to {limit} "
+                    "tokens (max_model_len and the largest encode bucket) are supported"
                 )
-            if not groups or encode_layout([*lengths, n], self.config) is None:
-                groups.append([])
-                lengths = []
-            groups[-1].append(seq)
-            lengths.append(n)
-        return groups
+        return encode_steps([len(s.token_ids) for s in sequences], self.config)
 
     def embed(self, sequences: Sequence[EncoderSequence], pooling: Pooling) -> torch.Tensor:
         """Each sequence's pooled embedding, [sequences, hidden] float32, in as few steps as
         the largest bucket allows."""
-        out = []
+        out: list[torch.Tensor | None] = [None] * len(sequences)
         for group in self.steps(sequences):
-            out += [pool(h, pooling) for h in self.encode(group)]
+            for i, states in zip(group, self.encode([sequences[i] for i in group]), strict=True):
+                out[i] = pool(states, pooling)
         return torch.stack(out)

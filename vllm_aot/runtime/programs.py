@@ -4,8 +4,9 @@
   inputs, so one compiled program serves every layer and compile time does not grow with depth).
 - `decode_b{rows}_c{ctx}`: one decoder layer over a batch bucket reading `ctx` cached tokens.
 - `greedy_r{rows}` / `sample_r{rows}`: final norm, LM head and the on-device sampler.
-- `encode_t{tokens}` (runner "pooling", encoders): one encoder layer over packed sequences
-  attending bidirectionally within each, no KV cache.
+- `encode_t{tokens}_w{window}` (runner "pooling", encoders): one encoder layer over sequences
+  packed into windows of `window` tokens, each attending bidirectionally within itself, no KV
+  cache.
 - `verify_b{rows}_k{k}_c{ctx}`: one decoder layer over `rows` rows of `k + 1` tokens each (the
   newest and `k` drafted ones), each row reading `ctx` cached tokens (speculative decoding).
 - `verify_greedy_r{rows}_k{k}` / `verify_sample_r{rows}_k{k}`: the head over those positions, with
@@ -73,6 +74,7 @@ class ProgramKey:
     size: int  # tokens (prefill) or rows (decode, verify, heads)
     context_tokens: int = 0  # cached tokens read (layers only)
     num_drafts: int = 0  # drafted tokens per row (verify programs only)
+    window: int = 0  # tokens a sequence may span, attending within them (encode programs only)
 
     @property
     def name(self) -> str:
@@ -80,7 +82,8 @@ class ProgramKey:
         letter = "t" if is_tokens else ("b" if self.is_layer else "r")
         drafts = f"_k{self.num_drafts}" if self.num_drafts else ""
         context = f"_c{self.context_tokens}" if self.is_layer else ""
-        return f"{self.kind.value}_{letter}{self.size}{drafts}{context}"
+        window = f"_w{self.window}" if self.window else ""
+        return f"{self.kind.value}_{letter}{self.size}{drafts}{context}{window}"
 
     @property
     def is_layer(self) -> bool:
@@ -94,7 +97,11 @@ class ProgramKey:
 
 def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
     if config.is_encoder_runner:
-        return [ProgramKey(ProgramKind.ENCODE, t) for t in config.prefill_token_buckets]
+        return [
+            ProgramKey(ProgramKind.ENCODE, t, window=w)
+            for t in config.prefill_token_buckets
+            for w in config.encode_windows(t)
+        ]
     keys = [
         ProgramKey(ProgramKind.PREFILL, t, c)
         for t in config.prefill_token_buckets
@@ -286,7 +293,7 @@ def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> t
     dt = config.torch_dtype
     i64 = torch.int64
     if key.kind is ProgramKind.ENCODE:
-        window = config.encode_window(key.size)
+        window = key.window
         return (
             torch.zeros(key.size, arch.hidden_size, dtype=dt),
             torch.ones(key.size // window, window, window, dtype=torch.bool),
