@@ -23,7 +23,9 @@ vLLM's is the same vLLM with our plugin off
 docs/benchmarking.md); llama.cpp is the build of scripts/setup_llamacpp.sh serving the bundled
 GGUF itself (bench/llamacpp.py: which server, its quirks), included by default when built. Prints
 output tok/s, TTFT and TPOT (mean, p99) per system and ours/theirs ratios, and for ours the
-padding waste of each run (decode rows and prefill tokens, from our counters on /metrics), and
+padding waste of each run (decode rows and prefill tokens, from our counters on /metrics), for
+every run the CPU the server and the load generator took (on a small machine the client's share
+comes out of the server's cores, and it grows with the tokens a server streams), and
 each server's memory (proportional set size of all its processes) after its runs; draws tok/s and
 TTFT p99 per system and concurrency into `perf.png` beside the logs (bench/perf_plot.py).
 
@@ -58,7 +60,13 @@ from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
 from perf_plot import draw
 from rich.console import Console
 from rich.table import Table
-from serve_bench import padding_counters, padding_waste, run_vllm_bench
+from serve_bench import (
+    CpuShare,
+    padding_counters,
+    padding_waste,
+    run_vllm_bench,
+    server_memory,
+)
 
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
@@ -194,7 +202,22 @@ def start(system: str, model: Path, args, out_dir: Path, stack: contextlib.ExitS
     return Running(url, spec, time.monotonic() - begin, port)
 
 
-def run_once(system: str, server_: Running, model: Path, run: tuple, seed: int, args, out_dir):
+def client_start_seconds(server_: Running, model: Path, out_dir: Path) -> float:
+    """CPU seconds `vllm bench serve` takes for a one-token request, the less of two: its
+    start-up (imports, tokenizer, dataset; ~10 s here, varying by ~0.5 s), which every run's
+    client CPU includes before its first request."""
+    tiny = SimpleNamespace(input_len=32, output_len=1, num_prompts=1, concurrency=1)
+    seconds = []
+    for i in range(2):
+        cpu = CpuShare(server_.port)
+        run_vllm_bench(server_.url, model, DEFAULT_MODEL_NAME, tiny, out_dir, f"client-start{i}")
+        seconds.append(cpu.client_seconds())
+    return min(seconds)
+
+
+def run_once(
+    system: str, server_: Running, model: Path, run: tuple, seed: int, args, out_dir, client_start
+):
     """One case at one concurrency on one running system: its figures."""
     (case, concurrency), url, spec = run, server_.url, server_.spec
     num_prompts = max(2, args.prompts_per_stream * concurrency)
@@ -206,10 +229,12 @@ def run_once(system: str, server_: Running, model: Path, run: tuple, seed: int, 
     detailed = ("--save-detailed",) if spec.is_counted_at_full_length else ()
     counters = padding_counters(url) if system.startswith("ours") else {}
     drafts = spec_counters(url) if system in SPEC_SYSTEMS else {}
+    cpu = CpuShare(server_.port)
     r = run_vllm_bench(
         url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
         seed=seed, extra_args=(*spec.bench_args, *detailed, *case_extra),
     )  # fmt: skip
+    print(f"{tag}: {cpu.summary(num_prompts * output_len, r['duration'], client_start)}")
     if spec.is_counted_at_full_length:
         figures = full_length_figures(r, output_len)
         print(
@@ -247,12 +272,15 @@ def measure_all(systems: list[str], model: Path, args, out_dir: Path) -> dict:
     samples: dict = {system: {run: [] for run in runs} for system in systems}
     with contextlib.ExitStack() as stack:
         servers = {system: start(system, model, args, out_dir, stack) for system in systems}
+        client_start = client_start_seconds(servers[systems[0]], model, out_dir)
         for round_ in range(args.rounds):
             for i, run in enumerate(runs):
                 seed = round_ * len(runs) + i  # the same prompts for every system, never repeated
                 turn = (round_ + i) % len(systems)
                 for system in systems[turn:] + systems[:turn]:
-                    figures = run_once(system, servers[system], model, run, seed, args, out_dir)
+                    figures = run_once(
+                        system, servers[system], model, run, seed, args, out_dir, client_start
+                    )
                     samples[system][run].append(figures)
         memory = {system: server_memory(servers[system].port) for system in systems}
     return {
@@ -263,26 +291,6 @@ def measure_all(systems: list[str], model: Path, args, out_dir: Path) -> dict:
         )
         for system in systems
     }
-
-
-def server_memory(port: int) -> float:
-    """Proportional set size (MB) of the process listening on `port` and all its descendants
-    (vLLM's API server and engine core; llama-server alone): shared pages counted once."""
-    import psutil
-
-    connections = psutil.net_connections("tcp")
-    listeners = [c.pid for c in connections if c.laddr.port == port and c.status == "LISTEN"]
-    if not listeners:
-        return float("nan")
-    root = psutil.Process(listeners[0])
-    processes = [root, *root.children(recursive=True)]
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_full_info().pss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return total / 1e6
 
 
 def choose_systems(args) -> list[str]:

@@ -129,6 +129,75 @@ def run_vllm_bench(
     return json.loads((out_dir / f"{tag}.json").read_text())
 
 
+def server_processes(port: int) -> list:
+    """The process listening on `port` and all its descendants (vLLM's API server and engine
+    core; llama-server alone); none when nothing listens."""
+    import psutil
+
+    connections = psutil.net_connections("tcp")
+    listeners = [c.pid for c in connections if c.laddr.port == port and c.status == "LISTEN"]
+    if not listeners:
+        return []
+    root = psutil.Process(listeners[0])
+    return [root, *root.children(recursive=True)]
+
+
+def server_memory(port: int) -> float:
+    """Proportional set size (MB) of the server on `port`, all its processes: shared pages
+    counted once."""
+    import psutil
+
+    total = 0
+    for process in server_processes(port):
+        try:
+            total += process.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total / 1e6
+
+
+class CpuShare:
+    """CPU time of the server on `port` and of this process's children (the load generator)
+    since construction: on a machine the two share, what the client takes comes out of the
+    server's cores, and the more tokens a server streams the more the client takes."""
+
+    def __init__(self, port: int) -> None:
+        self.processes = server_processes(port)
+        self.server = self.server_seconds()
+        self.client = self._children_seconds()
+
+    def server_seconds(self) -> float:
+        total = 0.0
+        for process in self.processes:
+            try:
+                times = process.cpu_times()
+            except Exception:  # a process that ended: its time is gone with it
+                continue
+            total += times.user + times.system
+        return total
+
+    @staticmethod
+    def _children_seconds() -> float:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def client_seconds(self) -> float:
+        return self._children_seconds() - self.client
+
+    def summary(self, tokens: int, duration: float, client_start: float) -> str:
+        """The shares over a benchmark of `duration` seconds streaming `tokens`, the client's
+        start-up (`client_start` CPU seconds, measured once) taken out."""
+        server = self.server_seconds() - self.server
+        client = max(0.0, self.client_seconds() - client_start)
+        return (
+            f"CPU over {duration:.0f} s on {os.cpu_count()} cores: server {server / duration:.2f} "
+            f"cores, load generator {client / duration:.2f} ({1e3 * client / tokens:.2f} ms a "
+            f"token; its start-up, {client_start:.1f} s of CPU, taken out)"
+        )
+
+
 def time_pairs(direct: str, proxied: str, request: str, num_pairs: int, served_name: str):
     """Alternate the same request direct/proxied on kept-alive connections; ms per request."""
     body = {"model": served_name, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
