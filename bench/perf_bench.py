@@ -202,22 +202,7 @@ def start(system: str, model: Path, args, out_dir: Path, stack: contextlib.ExitS
     return Running(url, spec, time.monotonic() - begin, port)
 
 
-def client_start_seconds(server_: Running, model: Path, out_dir: Path) -> float:
-    """CPU seconds `vllm bench serve` takes for a one-token request, the less of two: its
-    start-up (imports, tokenizer, dataset; ~10 s here, varying by ~0.5 s), which every run's
-    client CPU includes before its first request."""
-    tiny = SimpleNamespace(input_len=32, output_len=1, num_prompts=1, concurrency=1)
-    seconds = []
-    for i in range(2):
-        cpu = CpuShare(server_.port)
-        run_vllm_bench(server_.url, model, DEFAULT_MODEL_NAME, tiny, out_dir, f"client-start{i}")
-        seconds.append(cpu.client_seconds())
-    return min(seconds)
-
-
-def run_once(
-    system: str, server_: Running, model: Path, run: tuple, seed: int, args, out_dir, client_start
-):
+def run_once(system: str, server_: Running, model: Path, run: tuple, seed: int, args, out_dir):
     """One case at one concurrency on one running system: its figures."""
     (case, concurrency), url, spec = run, server_.url, server_.spec
     num_prompts = max(2, args.prompts_per_stream * concurrency)
@@ -234,7 +219,7 @@ def run_once(
         url, model, DEFAULT_MODEL_NAME, bench_args, out_dir, tag,
         seed=seed, extra_args=(*spec.bench_args, *detailed, *case_extra),
     )  # fmt: skip
-    print(f"{tag}: {cpu.summary(num_prompts * output_len, r['duration'], client_start)}")
+    print(f"{tag}: {cpu.summary(r, num_prompts * output_len)}")
     if spec.is_counted_at_full_length:
         figures = full_length_figures(r, output_len)
         print(
@@ -272,15 +257,12 @@ def measure_all(systems: list[str], model: Path, args, out_dir: Path) -> dict:
     samples: dict = {system: {run: [] for run in runs} for system in systems}
     with contextlib.ExitStack() as stack:
         servers = {system: start(system, model, args, out_dir, stack) for system in systems}
-        client_start = client_start_seconds(servers[systems[0]], model, out_dir)
         for round_ in range(args.rounds):
             for i, run in enumerate(runs):
                 seed = round_ * len(runs) + i  # the same prompts for every system, never repeated
                 turn = (round_ + i) % len(systems)
                 for system in systems[turn:] + systems[:turn]:
-                    figures = run_once(
-                        system, servers[system], model, run, seed, args, out_dir, client_start
-                    )
+                    figures = run_once(system, servers[system], model, run, seed, args, out_dir)
                     samples[system][run].append(figures)
         memory = {system: server_memory(servers[system].port) for system in systems}
     return {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -122,18 +124,30 @@ def run_vllm_bench(
         "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{tag}.json",
         "--disable-tqdm", *extra_args,
     ]  # fmt: skip
-    with open(out_dir / f"{tag}-client.log", "wb") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
+    started = _children_seconds()
+    before = None  # the client's CPU seconds when its timed run starts
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(out_dir / f"{tag}-client.log", "w") as log:
+        client = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for line in client.stdout:
+            log.write(line)
+            if before is None and line.startswith("Starting main benchmark run"):
+                times = psutil.Process(client.pid).cpu_times()
+                before = times.user + times.system
+        client.wait()
+    if client.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed; see {out_dir / f'{tag}-client.log'}")
-    return json.loads((out_dir / f"{tag}.json").read_text())
+    result = json.loads((out_dir / f"{tag}.json").read_text())
+    # what the load generator took while it streamed (its start-up, ~10 s here, left out)
+    result["client_cpu_seconds"] = _children_seconds() - started - (before or 0.0)
+    return result
 
 
 def server_processes(port: int) -> list:
     """The process listening on `port` and all its descendants (vLLM's API server and engine
     core; llama-server alone); none when nothing listens."""
-    import psutil
-
     connections = psutil.net_connections("tcp")
     listeners = [c.pid for c in connections if c.laddr.port == port and c.status == "LISTEN"]
     if not listeners:
@@ -145,8 +159,6 @@ def server_processes(port: int) -> list:
 def server_memory(port: int) -> float:
     """Proportional set size (MB) of the server on `port`, all its processes: shared pages
     counted once."""
-    import psutil
-
     total = 0
     for process in server_processes(port):
         try:
@@ -156,45 +168,38 @@ def server_memory(port: int) -> float:
     return total / 1e6
 
 
+def _children_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 class CpuShare:
-    """CPU time of the server on `port` and of this process's children (the load generator)
-    since construction: on a machine the two share, what the client takes comes out of the
-    server's cores, and the more tokens a server streams the more the client takes."""
+    """CPU time of the server on `port` since construction, beside the load generator's while
+    it streamed (`run_vllm_bench`'s `client_cpu_seconds`): on a machine the two share, what the
+    client takes comes out of the server's cores."""
 
     def __init__(self, port: int) -> None:
         self.processes = server_processes(port)
-        self.server = self.server_seconds()
-        self.client = self._children_seconds()
+        self.server = self._server_seconds()
 
-    def server_seconds(self) -> float:
+    def _server_seconds(self) -> float:
         total = 0.0
         for process in self.processes:
             try:
                 times = process.cpu_times()
-            except Exception:  # a process that ended: its time is gone with it
+            except psutil.Error:  # a process that ended: its time is gone with it
                 continue
             total += times.user + times.system
         return total
 
-    @staticmethod
-    def _children_seconds() -> float:
-        import resource
-
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return usage.ru_utime + usage.ru_stime
-
-    def client_seconds(self) -> float:
-        return self._children_seconds() - self.client
-
-    def summary(self, tokens: int, duration: float, client_start: float) -> str:
-        """The shares over a benchmark of `duration` seconds streaming `tokens`, the client's
-        start-up (`client_start` CPU seconds, measured once) taken out."""
-        server = self.server_seconds() - self.server
-        client = max(0.0, self.client_seconds() - client_start)
+    def summary(self, result: dict, tokens: int) -> str:
+        """The shares over the `vllm bench serve` run `result` streaming `tokens`."""
+        duration, client = result["duration"], result["client_cpu_seconds"]
+        server = self._server_seconds() - self.server
         return (
             f"CPU over {duration:.0f} s on {os.cpu_count()} cores: server {server / duration:.2f} "
             f"cores, load generator {client / duration:.2f} ({1e3 * client / tokens:.2f} ms a "
-            f"token; its start-up, {client_start:.1f} s of CPU, taken out)"
+            "token)"
         )
 
 
