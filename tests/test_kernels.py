@@ -170,6 +170,7 @@ def test_kernels_off_selects_aten_and_torch(monkeypatch):
     monkeypatch.setenv("VLLM_AOT_KERNELS", "0")
     assert kernels.linear_impl("bf16") == ATEN
     assert kernels.attention_impl() == kernels.TORCH
+    assert kernels.prefill_attention_impl() == kernels.TORCH
     assert kernels.logprobs_impl() == kernels.TORCH
     monkeypatch.delenv("VLLM_AOT_KERNELS")
     assert kernels.linear_impl("fp32") == ATEN  # MKL is fast in float32

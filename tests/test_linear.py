@@ -64,6 +64,9 @@ def test_program_kernels_name_each_format_the_attention_the_experts_and_the_logp
         assert kernels.program_kernels([fmt]) == {
             f"linear.{fmt}": LINEAR_BF16 if uses_kernel else ATEN,
             "attention": kernels.DECODE_ATTENTION if kernels.kernels_enabled() else kernels.TORCH,
+            "prefill_attention": (
+                kernels.PREFILL_ATTENTION if kernels.kernels_enabled() else kernels.TORCH
+            ),
             "experts": kernels.MOE_EXPERTS if kernels.kernels_enabled() else kernels.TORCH,
             "logprobs": kernels.LOGPROB_STATS if kernels.kernels_enabled() else kernels.TORCH,
         }

@@ -24,6 +24,12 @@
   real context (pools of q's dtype, or fp8 with the layer's scales), where the pure-torch
   versions (`models.layers.decode_attention` and `verify_attention`, the references) attend
   over the whole static context bucket and Inductor's code for them is mostly gathers.
+- `vllm_aot::prefill_attention(q, k_new, v_new, k_pool, v_pool, block_ids, mask, k_scale,
+  v_scale)` (`prefill_attention.cpp`): a prefill step's packed tokens against their sequences'
+  cached blocks and, causally, their own keys, chunk by chunk of keys with an online softmax,
+  reading only the keys each tile of tokens sees, where the reference
+  (`models.layers.prefill_attention`, torch's SDPA) computes every token against the whole
+  context bucket and every new key, masked.
 - `vllm_aot::moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, use_linear_bf16)`
   (`moe_experts.cpp`): a rank's experts of a sparse MoE block over only the tokens routed to
   them (grouped by expert, gathered, multiplied, weighted and added back), where the pure-torch
@@ -101,6 +107,7 @@ LIBRARY_FILE = f"{_LIBRARY}.so"  # what torch's builder names it
 RECORD_FILE = "library.json"
 # The decode attention's contract, named in the cache key of every program that calls it.
 DECODE_ATTENTION = "vllm_aot.decode_attention/3"
+PREFILL_ATTENTION = "vllm_aot.prefill_attention/1"
 LOGPROB_STATS = "vllm_aot.logprob_stats/1"
 MOE_EXPERTS = "vllm_aot.moe_experts/1"
 TORCH = "torch"
@@ -132,6 +139,11 @@ def attention_impl() -> str:
     return DECODE_ATTENTION if kernels_enabled() else TORCH
 
 
+def prefill_attention_impl() -> str:
+    """The prefill attention our programs use: the kernel wherever kernels build."""
+    return PREFILL_ATTENTION if kernels_enabled() else TORCH
+
+
 def logprobs_impl() -> str:
     """What head programs use for the sampled token's logprob, rank and the top-n: the kernel
     wherever kernels build."""
@@ -146,11 +158,13 @@ def experts_impl() -> str:
 
 def program_kernels(formats: Iterable[str]) -> dict[str, str]:
     """What programs whose linears use `formats` call on this CPU (their cache key names it):
-    `linear.<format>` per format, `attention`, `experts` (MoE layers) and `logprobs`."""
+    `linear.<format>` per format, `attention` (decode's), `prefill_attention`, `experts` (MoE
+    layers) and `logprobs`."""
     linears = {f"linear.{fmt}": linear_impl(fmt) for fmt in sorted(set(formats))}
     return {
         **linears,
         "attention": attention_impl(),
+        "prefill_attention": prefill_attention_impl(),
         "experts": experts_impl(),
         "logprobs": logprobs_impl(),
     }
@@ -212,6 +226,34 @@ def _kernel_decode_attention(q, k_new, v_new, cache, block_tables, context_mask)
     return torch.ops.vllm_aot.decode_attention(
         q, k_new, v_new, cache.k, cache.v, block_tables, lengths, cache.k_scale, cache.v_scale
     )
+
+
+def prefill_attention_fn(impl: str):
+    """The function prefill programs call for attention (`models.layers.prefill_attention`'s
+    signature): the kernel, or that reference itself; the reference too for head sizes that are
+    not a multiple of 8 (the kernel's registers), decided when the program is traced."""
+    from vllm_aot.models.layers import prefill_attention
+
+    if impl == TORCH:
+        return prefill_attention
+    load()
+
+    def attend(q, k_new, v_new, cache, context_block_ids, mask):
+        if q.shape[-1] % 8:
+            return prefill_attention(q, k_new, v_new, cache, context_block_ids, mask)
+        return torch.ops.vllm_aot.prefill_attention(
+            q,
+            k_new,
+            v_new,
+            cache.k,
+            cache.v,
+            context_block_ids,
+            mask,
+            cache.k_scale,
+            cache.v_scale,
+        )
+
+    return attend
 
 
 def _sources() -> list[Path]:

@@ -20,8 +20,8 @@ from vllm_aot.runtime.kv_cache import DUMMY_BLOCK, blocks_needed
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind
 from vllm_aot.runtime.sampler import SamplingParams, SamplingTensors, mask_words
 
-_PAD_SEQ = -1  # sequence id of padded query tokens (they see only each other)
-_PAD_KEY_SEQ = -2  # sequence id of padded cached keys (nobody sees them)
+_PAD_SEQ = -1  # sequence id of the first padded query token, -2 the next, ... (each sees itself)
+_PAD_KEY_SEQ = 1 << 62  # sequence id of padded cached keys (nobody sees them)
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def prepare_prefill(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Pr
     token_ids += [0] * num_pad
     positions += [0] * num_pad
     slots += [DUMMY_BLOCK * bs] * num_pad
-    q_seq += [_PAD_SEQ] * num_pad
+    q_seq += [_PAD_SEQ - j for j in range(num_pad)]
     num_ctx_pad = key.context_tokens // bs - len(ctx_blocks)
     ctx_blocks += [DUMMY_BLOCK] * num_ctx_pad
     key_seq += [_PAD_KEY_SEQ] * (num_ctx_pad * bs)

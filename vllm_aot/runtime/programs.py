@@ -34,6 +34,8 @@ from vllm_aot.kernels import (
     load_used,
     logprob_stats_kernel,
     logprobs_impl,
+    prefill_attention_fn,
+    prefill_attention_impl,
 )
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec, no_reduce
@@ -41,7 +43,6 @@ from vllm_aot.models.formats import dense_format, weight_format
 from vllm_aot.models.layers import (
     PagedKV,
     packed_attention,
-    prefill_attention,
     rms_norm,
     write_kv,
 )
@@ -175,7 +176,7 @@ class Layer(nn.Module):
         self.experts = experts_kernel(experts_impl())
         verify = kind == ProgramKind.VERIFY
         self.attention = (
-            prefill_attention
+            prefill_attention_fn(prefill_attention_impl())
             if kind == ProgramKind.PREFILL
             else decode_attention_fn(attention_impl(), verify=verify)
         )
