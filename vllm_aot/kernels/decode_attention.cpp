@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention.h"
 #include "avx2.h"
 #include "fp8.h"
 
@@ -295,26 +296,10 @@ void attend_pools(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
                   const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, float k_scale,
                   float v_scale, at::Tensor& out) {
-  const auto pool = k_pool.scalar_type();
-  TORCH_CHECK(v_pool.scalar_type() == pool, "decode_attention: K and V pools of one dtype");
-  if (pool == q.scalar_type()) {
-    attend<T, T>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens, k_scale, v_scale,
-                 out);
-  } else if (pool == at::kFloat8_e4m3fn) {
-    attend<T, c10::Float8_e4m3fn>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
-                                  k_scale, v_scale, out);
-  } else {
-    TORCH_CHECK(pool == at::kFloat8_e5m2,
-                "decode_attention: pools of q's dtype, float8_e4m3fn or float8_e5m2");
-    attend<T, c10::Float8_e5m2>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
-                                k_scale, v_scale, out);
-  }
-}
-
-float scalar(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "decode_attention: ", name,
-              " must be one float32");
-  return *t.data_ptr<float>();
+  vllm_aot::with_pool_type<T>(q, k_pool, v_pool, "decode_attention", [&](auto element) {
+    attend<T, decltype(element)>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
+                                 k_scale, v_scale, out);
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
@@ -332,7 +317,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const at::Tensor qc = q.contiguous(), kn = k_new.contiguous(), vn = v_new.contiguous();
   const at::Tensor kp = k_pool.contiguous(), vp = v_pool.contiguous();
   const at::Tensor bt = block_tables.contiguous(), cl = context_lens.contiguous();
-  const float ks = scalar(k_scale, "k_scale"), vs = scalar(v_scale, "v_scale");
+  const float ks = vllm_aot::one_float(k_scale, "decode_attention", "k_scale");
+  const float vs = vllm_aot::one_float(v_scale, "decode_attention", "v_scale");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16) {
     attend_pools<c10::BFloat16>(qc, kn, vn, kp, vp, bt, cl, ks, vs, out);

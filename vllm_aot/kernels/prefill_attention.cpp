@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention.h"
 #include "avx2.h"
 #include "fp8.h"
 
@@ -218,12 +219,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
     for (int64_t t = tile * kTile; t < std::min(tokens, (tile + 1) * kTile); ++t) {
       const Visible& w = visible[t];
       if (w.ctx_end > w.ctx_begin)
-        u.ctx_begin = std::min(u.ctx_begin, w.ctx_begin), u.ctx_end = std::max(u.ctx_end, w.ctx_end);
+        u.ctx_begin = std::min(u.ctx_begin, w.ctx_begin),
+        u.ctx_end = std::max(u.ctx_end, w.ctx_end);
       if (w.own_end > w.own_begin)
-        u.own_begin = std::min(u.own_begin, w.own_begin), u.own_end = std::max(u.own_end, w.own_end);
+        u.own_begin = std::min(u.own_begin, w.own_begin),
+        u.own_end = std::max(u.own_end, w.own_end);
     }
     spans[tile] = u;
-    cost[tile] = std::max<int64_t>(0, u.ctx_end - u.ctx_begin) + std::max<int64_t>(0, u.own_end - u.own_begin);
+    cost[tile] = std::max<int64_t>(0, u.ctx_end - u.ctx_begin) +
+                 std::max<int64_t>(0, u.own_end - u.own_begin);
     order[tile] = tile;
   }
   std::stable_sort(order.begin(), order.end(),
@@ -244,7 +248,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
       const int64_t tile = order[item / kv_heads], h = item % kv_heads;
       const int64_t t0 = tile * kTile, nt = std::min(kTile, tokens - t0), nv = nt * group;
       const Visible& u = spans[tile];
-      const int64_t ctx_lo = u.ctx_begin, ctx_hi = u.ctx_end, own_lo = u.own_begin, own_hi = u.own_end;
+      const int64_t ctx_lo = u.ctx_begin, ctx_hi = u.ctx_end;
+      const int64_t own_lo = u.own_begin, own_hi = u.own_end;
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
           const T* src = qp + ((t0 + t) * heads + h * group + g) * d;
@@ -261,7 +266,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
           if (part == 0) {
             for (int64_t j = 0; j < n; ++j) {
               const int64_t p = j0 + j;
-              const int64_t at = (ids[p / block_size] * block_size + p % block_size) * token_stride + h * d;
+              const int64_t slot = ids[p / block_size] * block_size + p % block_size;
+              const int64_t at = slot * token_stride + h * d;
               kc[j] = kp + at, vc[j] = vp + at;
             }
             widen_chunk<P>(kc, vc, n, d, k_scale, v_scale, kt.data(), vf.data());
@@ -294,24 +300,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   });
 }
 
+// The pools' element type: the model's (q's) dtype, or an fp8 format.
 template <typename T>
 void attend_pools(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                   const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_ids,
                   const std::vector<Visible>& visible, float k_scale, float v_scale,
                   at::Tensor& out) {
-  const auto pool = k_pool.scalar_type();
-  TORCH_CHECK(v_pool.scalar_type() == pool, "prefill_attention: K and V pools of one dtype");
-  if (pool == q.scalar_type()) {
-    attend<T, T>(q, k_new, v_new, k_pool, v_pool, block_ids, visible, k_scale, v_scale, out);
-  } else if (pool == at::kFloat8_e4m3fn) {
-    attend<T, c10::Float8_e4m3fn>(q, k_new, v_new, k_pool, v_pool, block_ids, visible, k_scale,
-                                  v_scale, out);
-  } else {
-    TORCH_CHECK(pool == at::kFloat8_e5m2,
-                "prefill_attention: pools of q's dtype, float8_e4m3fn or float8_e5m2");
-    attend<T, c10::Float8_e5m2>(q, k_new, v_new, k_pool, v_pool, block_ids, visible, k_scale,
-                                v_scale, out);
-  }
+  vllm_aot::with_pool_type<T>(q, k_pool, v_pool, "prefill_attention", [&](auto element) {
+    attend<T, decltype(element)>(q, k_new, v_new, k_pool, v_pool, block_ids, visible, k_scale,
+                                 v_scale, out);
+  });
 }
 
 // Each token's two ranges, read off its mask row; a row of another form is refused.
@@ -334,19 +332,14 @@ std::vector<Visible> visible_ranges(const at::Tensor& mask, int64_t num_ctx) {
   return visible;
 }
 
-float scalar(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "prefill_attention: ", name,
-              " must be one float32");
-  return *t.data_ptr<float>();
-}
-
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_new,
                              const at::Tensor& v_new, const at::Tensor& k_pool,
                              const at::Tensor& v_pool, const at::Tensor& block_ids,
                              const at::Tensor& mask, const at::Tensor& k_scale,
                              const at::Tensor& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && k_pool.dim() == 4,
-              "prefill_attention: q [tokens, heads, d], k_new [tokens, kv, d], pools [n, bs, kv, d]");
+              "prefill_attention: q [tokens, heads, d], k_new [tokens, kv, d], "
+              "pools [n, bs, kv, d]");
   TORCH_CHECK(q.size(1) % k_new.size(1) == 0, "prefill_attention: heads % kv_heads != 0");
   TORCH_CHECK(q.size(2) % 8 == 0, "prefill_attention: head size a multiple of 8, got ", q.size(2));
   TORCH_CHECK(k_new.size(0) == q.size(0) && v_new.sizes() == k_new.sizes(),
@@ -361,7 +354,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_new,
   const at::Tensor kp = k_pool.contiguous(), vp = v_pool.contiguous();
   const at::Tensor ids = block_ids.contiguous();
   const std::vector<Visible> visible = visible_ranges(mask.contiguous(), num_ctx);
-  const float ks = scalar(k_scale, "k_scale"), vs = scalar(v_scale, "v_scale");
+  const float ks = vllm_aot::one_float(k_scale, "prefill_attention", "k_scale");
+  const float vs = vllm_aot::one_float(v_scale, "prefill_attention", "v_scale");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16) {
     attend_pools<c10::BFloat16>(qc, kn, vn, kp, vp, ids, visible, ks, vs, out);
