@@ -7,6 +7,9 @@ import subprocess
 import sys
 import urllib.request
 
+import torch
+
+from vllm_aot.models.layers import PagedKV, quantize_kv
 from vllm_aot.runtime.config import RuntimeConfig
 
 
@@ -21,6 +24,21 @@ def run_vllm_aot(
         text=True,
         timeout=timeout,
     )
+
+
+def attention_inputs(g, tokens, shape, pool_shape, dtype, pool_dtype, scales):
+    """Random inputs of an attention kernel: (q [tokens, heads, dim], k_new, v_new [tokens,
+    kv_heads, dim] in `dtype`, the layer's `PagedKV`: pools of (blocks, block size) in
+    `pool_dtype`, stored with the (K, V) `scales`), drawn from generator `g` in that order."""
+    heads, kv_heads, dim = shape
+    q = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(tokens, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_scale, v_scale = (torch.tensor(s) for s in scales)
+    k_pool, v_pool = (
+        quantize_kv(torch.randn(*pool_shape, kv_heads, dim, generator=g), s, pool_dtype)
+        for s in (k_scale, v_scale)
+    )
+    return q, k_new, v_new, PagedKV(k_pool, v_pool, k_scale, v_scale)
 
 
 def tiny_config(**overrides) -> RuntimeConfig:

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import attention_inputs
 from vllm_aot import kernels
 from vllm_aot.models.formats import ATEN, LINEAR_BF16, WEIGHT_FORMATS
-from vllm_aot.models.layers import PagedKV, decode_attention, quantize_kv, verify_attention
+from vllm_aot.models.layers import PagedKV, decode_attention, verify_attention
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.runtime.sampler import logprob_stats
 
@@ -53,18 +54,14 @@ def decode_attention_case(dtype, pool_dtype, scales=(1.0, 1.0), heads=9, kv_head
     Returns (q, k_new, v_new, cache, block tables, context mask)."""
     g = torch.Generator().manual_seed(0)
     rows, block, blocks, width = 6, 16, 40, 8
-    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
-    k_new, v_new = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    k_scale, v_scale = (torch.tensor(s) for s in scales)
-    k_pool, v_pool = (
-        quantize_kv(torch.randn(blocks, block, kv_heads, dim, generator=g), s, pool_dtype)
-        for s in (k_scale, v_scale)
+    q, k_new, v_new, cache = attention_inputs(
+        g, rows, (heads, kv_heads, dim), (blocks, block), dtype, pool_dtype, scales
     )
     lengths = torch.tensor([0, 1, 15, 16, 70, width * block])
     tables = torch.randint(1, blocks, (rows, width), generator=g)
     tables[torch.arange(width)[None] * block >= lengths[:, None]] = 0  # the dummy block
     mask = torch.arange(width * block)[None] < lengths[:, None]
-    return q, k_new, v_new, PagedKV(k_pool, v_pool, k_scale, v_scale), tables, mask
+    return q, k_new, v_new, cache, tables, mask
 
 
 # (query heads, KV heads, head size): SmolLM2's, the other group sizes the kernel has a register

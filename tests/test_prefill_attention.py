@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import attention_inputs
 from vllm_aot import kernels
-from vllm_aot.models.layers import PagedKV, prefill_attention, quantize_kv
+from vllm_aot.models.layers import prefill_attention
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import PrefillChunk, prepare_prefill
 from vllm_aot.runtime.kv_cache import blocks_needed
@@ -39,15 +40,9 @@ def case(dtype, pool_dtype, chunks_spec, *, scales=(1.0, 1.0), heads=9, kv_heads
         used += n
         chunks.append(PrefillChunk([1] * new, cached, table))
     inputs = prepare_prefill(chunks, CONFIG)
-    tokens = inputs.key.size
-    q = torch.randn(tokens, heads, dim, generator=g).to(dtype)
-    k_new, v_new = (torch.randn(tokens, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    k_scale, v_scale = (torch.tensor(s) for s in scales)
-    k_pool, v_pool = (
-        quantize_kv(torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g), s, pool_dtype)
-        for s in (k_scale, v_scale)
+    q, k_new, v_new, cache = attention_inputs(
+        g, inputs.key.size, (heads, kv_heads, dim), (num_blocks, BLOCK), dtype, pool_dtype, scales
     )
-    cache = PagedKV(k_pool, v_pool, k_scale, v_scale)
     return q, k_new, v_new, cache, inputs.context_block_ids, inputs.attn_mask
 
 

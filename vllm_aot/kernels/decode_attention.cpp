@@ -290,18 +290,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
   });
 }
 
-// The pools' element type: the model's (q's) dtype, or an fp8 format.
-template <typename T>
-void attend_pools(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-                  const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, float k_scale,
-                  float v_scale, at::Tensor& out) {
-  vllm_aot::with_pool_type<T>(q, k_pool, v_pool, "decode_attention", [&](auto element) {
-    attend<T, decltype(element)>(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,
-                                 k_scale, v_scale, out);
-  });
-}
-
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                             const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -320,12 +308,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const float ks = vllm_aot::one_float(k_scale, "decode_attention", "k_scale");
   const float vs = vllm_aot::one_float(v_scale, "decode_attention", "v_scale");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  if (q.scalar_type() == at::kBFloat16) {
-    attend_pools<c10::BFloat16>(qc, kn, vn, kp, vp, bt, cl, ks, vs, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: float32 or bfloat16");
-    attend_pools<float>(qc, kn, vn, kp, vp, bt, cl, ks, vs, out);
-  }
+  vllm_aot::with_element_types(qc, kp, vp, "decode_attention", [&](auto model, auto element) {
+    attend<decltype(model), decltype(element)>(qc, kn, vn, kp, vp, bt, cl, ks, vs, out);
+  });
   return out;
 }
 

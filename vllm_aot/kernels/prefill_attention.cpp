@@ -51,7 +51,7 @@ struct Visible {
 
 // The number of nonzero bytes of a bool row (0/1 bytes: their sum).
 inline int64_t count_true(const uint8_t* p, int64_t n) {
-  int64_t total = 0, i = 0;
+  int64_t i = 0;
   __m256i sums = _mm256_setzero_si256();
   for (; i + 32 <= n; i += 32)
     sums = _mm256_add_epi64(sums, _mm256_sad_epu8(_mm256_loadu_si256(
@@ -59,7 +59,7 @@ inline int64_t count_true(const uint8_t* p, int64_t n) {
                                                   _mm256_setzero_si256()));
   alignas(32) int64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
-  total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  int64_t total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
   for (; i < n; ++i) total += p[i] != 0;
   return total;
 }
@@ -117,8 +117,8 @@ void widen_chunk(const P* const* krows, const P* const* vrows, int64_t n, int64_
       _mm256_storeu_ps(vf + j * d + c, _mm256_mul_ps(load8(vrows[j] + c), _mm256_set1_ps(v_scale)));
 }
 
-// One query vector's running softmax: the largest score so far, the sum of exponentials, and
-// the weighted sum of values (acc, d floats).
+// One query vector's running softmax: the largest score so far and the sum of exponentials
+// (its weighted sum of values is a row of the work item's `acc`).
 struct Running {
   float top, total;
 };
@@ -248,8 +248,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
       const int64_t tile = order[item / kv_heads], h = item % kv_heads;
       const int64_t t0 = tile * kTile, nt = std::min(kTile, tokens - t0), nv = nt * group;
       const Visible& u = spans[tile];
-      const int64_t ctx_lo = u.ctx_begin, ctx_hi = u.ctx_end;
-      const int64_t own_lo = u.own_begin, own_hi = u.own_end;
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
           const T* src = qp + ((t0 + t) * heads + h * group + g) * d;
@@ -260,7 +258,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
       for (int64_t v = 0; v < nv; ++v) run[v] = {kNegInf, 0.f};
       // The chunks: cached keys first (part 0), then the step's own (part 1).
       for (int part = 0; part < 2; ++part) {
-        const int64_t lo = part == 0 ? ctx_lo : own_lo, hi = part == 0 ? ctx_hi : own_hi;
+        const int64_t lo = part == 0 ? u.ctx_begin : u.own_begin;
+        const int64_t hi = part == 0 ? u.ctx_end : u.own_end;
         for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
           const int64_t n = std::min(kChunk, hi - j0);
           if (part == 0) {
@@ -297,18 +296,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_ne
         for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(acc[v * d + c] * inv);
       }
     }
-  });
-}
-
-// The pools' element type: the model's (q's) dtype, or an fp8 format.
-template <typename T>
-void attend_pools(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-                  const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_ids,
-                  const std::vector<Visible>& visible, float k_scale, float v_scale,
-                  at::Tensor& out) {
-  vllm_aot::with_pool_type<T>(q, k_pool, v_pool, "prefill_attention", [&](auto element) {
-    attend<T, decltype(element)>(q, k_new, v_new, k_pool, v_pool, block_ids, visible, k_scale,
-                                 v_scale, out);
   });
 }
 
@@ -357,12 +344,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_new,
   const float ks = vllm_aot::one_float(k_scale, "prefill_attention", "k_scale");
   const float vs = vllm_aot::one_float(v_scale, "prefill_attention", "v_scale");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  if (q.scalar_type() == at::kBFloat16) {
-    attend_pools<c10::BFloat16>(qc, kn, vn, kp, vp, ids, visible, ks, vs, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "prefill_attention: float32 or bfloat16");
-    attend_pools<float>(qc, kn, vn, kp, vp, ids, visible, ks, vs, out);
-  }
+  vllm_aot::with_element_types(qc, kp, vp, "prefill_attention", [&](auto model, auto element) {
+    attend<decltype(model), decltype(element)>(qc, kn, vn, kp, vp, ids, visible, ks, vs, out);
+  });
   return out;
 }
 
