@@ -169,5 +169,6 @@ def test_kernels_off_selects_aten_and_torch(monkeypatch):
     assert kernels.attention_impl() == kernels.TORCH
     assert kernels.prefill_attention_impl() == kernels.TORCH
     assert kernels.logprobs_impl() == kernels.TORCH
+    assert kernels.sampling_impl() == kernels.TORCH
     monkeypatch.delenv("VLLM_AOT_KERNELS")
     assert kernels.linear_impl("fp32") == ATEN  # MKL is fast in float32

@@ -53,7 +53,7 @@ def test_kernel_choice_follows_the_cpu(fmt, cpu, kernel):
     assert WEIGHT_FORMATS[fmt].kernel(cpu).name == kernel
 
 
-def test_program_kernels_name_each_format_the_attention_the_experts_and_the_logprobs(
+def test_program_kernels_name_each_format_the_attention_the_experts_and_the_head(
     monkeypatch,
 ):
     """The cache key's kernel names: bf16 kernel only without native bfloat16, else aten."""
@@ -69,6 +69,7 @@ def test_program_kernels_name_each_format_the_attention_the_experts_and_the_logp
             ),
             "experts": kernels.MOE_EXPERTS if kernels.kernels_enabled() else kernels.TORCH,
             "logprobs": kernels.LOGPROB_STATS if kernels.kernels_enabled() else kernels.TORCH,
+            "sampling": kernels.SAMPLE_TOKENS if kernels.kernels_enabled() else kernels.TORCH,
         }
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

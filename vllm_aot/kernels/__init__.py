@@ -39,13 +39,19 @@
   logprobs, ranks and the top-n of each row in three passes over its logits, where the sampler's
   pure-torch version (`runtime.sampler.logprob_stats`, the reference) materialises every logprob
   and sorts for topk.
+- `vllm_aot::sample_tokens(logits, vocab_mask, temperature, top_k, top_p, min_p, seeds,
+  positions, num_candidates, is_greedy)` (`sample_tokens.cpp`): the head's draw of one token per
+  row (greedy, or temperature, min-p, top-k, top-p and the seeded exponential race), where the
+  sampler's pure-torch version (`runtime.sampler.draw_tokens`, the reference) builds every row's
+  mask, probabilities and uniforms as [rows, vocab] tensors, its hash in int64.
 
 Which implementation a program calls is fixed when it is compiled (`program_kernels`, part of
 its cache key): the linear's from its weight format's choice for this CPU (`models/formats.py`
 registers the formats and their kernels; `cpu_features()` is what the choice reads), the decode
-attention's, the experts' and the head's logprob statistics' here. Compiled programs call the
-ops by name, so the library is loaded (`load()`) before any program runs. `VLLM_AOT_KERNELS=0`
-turns every kernel off (aten and pure torch only), for debugging and comparison.
+attention's, the experts' and the head's draw and logprob statistics' here. Compiled programs
+call the ops by name, so the library is loaded (`load()`) before any program runs.
+`VLLM_AOT_KERNELS=0` turns every kernel off (aten and pure torch only), for debugging and
+comparison.
 
 Each `.cpp` file here defines its ops, their CPU implementation and their shape function (a Meta
 implementation, which export's fake tensors run); the library is every `.cpp` file of this
@@ -109,6 +115,7 @@ RECORD_FILE = "library.json"
 DECODE_ATTENTION = "vllm_aot.decode_attention/3"
 PREFILL_ATTENTION = "vllm_aot.prefill_attention/1"
 LOGPROB_STATS = "vllm_aot.logprob_stats/1"
+SAMPLE_TOKENS = "vllm_aot.sample_tokens/1"
 MOE_EXPERTS = "vllm_aot.moe_experts/1"
 TORCH = "torch"
 _LIBRARY_OPS = "vllm_aot."  # the prefix of every kernel name that is one of our ops
@@ -150,6 +157,11 @@ def logprobs_impl() -> str:
     return LOGPROB_STATS if kernels_enabled() else TORCH
 
 
+def sampling_impl() -> str:
+    """What head programs use to draw their tokens: the kernel wherever kernels build."""
+    return SAMPLE_TOKENS if kernels_enabled() else TORCH
+
+
 def experts_impl() -> str:
     """What layer programs of MoE models use for a rank's experts: the kernel wherever kernels
     build."""
@@ -159,7 +171,7 @@ def experts_impl() -> str:
 def program_kernels(formats: Iterable[str]) -> dict[str, str]:
     """What programs whose linears use `formats` call on this CPU (their cache key names it):
     `linear.<format>` per format, `attention` (decode's), `prefill_attention`, `experts` (MoE
-    layers) and `logprobs`."""
+    layers), `logprobs` and `sampling` (the head's)."""
     linears = {f"linear.{fmt}": linear_impl(fmt) for fmt in sorted(set(formats))}
     return {
         **linears,
@@ -167,6 +179,7 @@ def program_kernels(formats: Iterable[str]) -> dict[str, str]:
         "prefill_attention": prefill_attention_impl(),
         "experts": experts_impl(),
         "logprobs": logprobs_impl(),
+        "sampling": sampling_impl(),
     }
 
 
@@ -189,6 +202,22 @@ def logprob_stats_kernel(impl: str):
         return None
     load()
     return torch.ops.vllm_aot.logprob_stats
+
+
+def sample_tokens_kernel(impl: str):
+    """The kernel head programs call for `runtime.sampler.draw_tokens` (same signature), or None
+    where they use that pure-torch function itself."""
+    if impl == TORCH:
+        return None
+    load()
+
+    def draw(source, t, is_greedy, num_candidates):
+        return torch.ops.vllm_aot.sample_tokens(
+            source, t.vocab_mask, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds,
+            t.positions, num_candidates, is_greedy,
+        )  # fmt: skip
+
+    return draw
 
 
 def experts_kernel(impl: str) -> ExpertsKernel:

@@ -1,4 +1,4 @@
-// AVX2 helpers shared by our kernels: widening loads, a horizontal sum, exp.
+// AVX2 helpers shared by our kernels: widening loads, a horizontal sum, exp, log.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -42,6 +42,35 @@ inline __m256 exp8(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                           _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// ln x for eight positive, normal floats to ~2 ulp: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+// ln(m) = f - f^2 / 2 + f^3 P(f) for f = m - 1 (Cephes' logf coefficients), plus e ln 2 in two
+// parts. No zero, negative, infinite or subnormal input (the sampler's uniforms are in (0, 1)).
+inline __m256 log8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(
+      _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+  // The mantissa in [0.5, 1): the exponent bits replaced by 0.5's.
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)), _mm256_set1_epi32(0x3F000000)));
+  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  e = _mm256_sub_ps(e, _mm256_and_ps(small, _mm256_set1_ps(1.f)));
+  const __m256 f = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(small, m)), _mm256_set1_ps(1.f));
+  const __m256 f2 = _mm256_mul_ps(f, f);
+  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.1514610310e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.1676998740e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.2420140846e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.4249322787e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.6668057665e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0000714765e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-2.4999993993e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(3.3333331174e-1f));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, f), f2);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(f2, _mm256_set1_ps(0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
 }
 
 }  // namespace vllm_aot

@@ -36,6 +36,8 @@ from vllm_aot.kernels import (
     logprobs_impl,
     prefill_attention_fn,
     prefill_attention_impl,
+    sample_tokens_kernel,
+    sampling_impl,
 )
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import LayerParams, LayerSpec, no_reduce
@@ -257,6 +259,7 @@ class Head(nn.Module):
         self.num_head_tensors = len(fmt.tensor_names)
         self.linear = fmt.kernel(cpu_features()).apply
         self.stats = logprob_stats_kernel(logprobs_impl())  # None: the sampler's own
+        self.draw = sample_tokens_kernel(sampling_impl())  # None: the sampler's own
 
     def forward(self, hidden, final_norm, *rest) -> tuple[torch.Tensor, ...]:
         lm_head, sampling = rest[: self.num_head_tensors], rest[self.num_head_tensors :]
@@ -277,7 +280,7 @@ class Head(nn.Module):
                 logits, t, DraftTensors(*sampling[num_fields:]), **settings
             )
             return (*out, num_accepted)
-        return tuple(sample_rows(logits, t, **settings))
+        return tuple(sample_rows(logits, t, draw=self.draw, **settings))
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:

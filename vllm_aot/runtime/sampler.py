@@ -31,6 +31,8 @@ LogprobStats = Callable[
     [torch.Tensor, torch.Tensor, int],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ]
+# (logits to draw from [rows, vocab], SamplingTensors, is_greedy, num_candidates) -> tokens [rows]
+DrawTokens = Callable[[torch.Tensor, "SamplingTensors", bool, int], torch.Tensor]
 
 _U32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27, so a 32-bit value times it never overflows int64
@@ -158,25 +160,38 @@ def sample_rows(
     num_candidates: int,
     processed: torch.Tensor | None = None,
     stats: LogprobStats | None = None,
+    draw: DrawTokens | None = None,
 ) -> SamplerOutput:
     """One token per row of raw `logits` [rows, vocab] float32, with vLLM's raw logprobs.
 
-    `is_greedy` (every row greedy, `all_greedy`) leaves out the random path; without it rows
-    with top_k 1 still take the argmax. Tokens are drawn from `processed` [rows, vocab] when
-    given (host-side penalties, bias, bans), else from `logits`; the logprobs, ranks and top-n
-    always describe `logits`, before any processing or mask (`stats`: `logprob_stats` or a
-    kernel computing the same).
+    Tokens are drawn from `processed` [rows, vocab] when given (host-side penalties, bias, bans),
+    else from `logits` (`draw`: `draw_tokens` or a kernel computing the same); the logprobs,
+    ranks and top-n always describe `logits`, before any processing or mask (`stats`:
+    `logprob_stats` or a kernel computing the same).
     """
-    stats = stats or logprob_stats
-    allowed = unpack_vocab_mask(t.vocab_mask, logits.shape[-1])
-    masked = (logits if processed is None else processed).masked_fill(~allowed, float("-inf"))
-    tokens = masked.argmax(dim=-1)
-    if not is_greedy:
-        num_candidates = min(num_candidates, logits.shape[-1])
-        drawn = _random_tokens(masked, allowed, t, num_candidates)
-        tokens = torch.where(t.top_k == 1, tokens, drawn)  # normalised greedy rows: top_k 1
-    token_logprobs, ranks, top_logprobs, top_ids = stats(logits, tokens, num_logprobs)
+    source = logits if processed is None else processed
+    tokens = (draw or draw_tokens)(source, t, is_greedy, min(num_candidates, logits.shape[-1]))
+    token_logprobs, ranks, top_logprobs, top_ids = (stats or logprob_stats)(
+        logits, tokens, num_logprobs
+    )
     return SamplerOutput(tokens, token_logprobs, ranks, top_logprobs, top_ids, logits)
+
+
+def draw_tokens(
+    source: torch.Tensor, t: SamplingTensors, is_greedy: bool, num_candidates: int
+) -> torch.Tensor:
+    """One token per row of `source` [rows, vocab] float32 within each row's vocabulary mask:
+    the argmax for greedy rows (top_k 1, or every row when `is_greedy`, which leaves out the
+    random path), else temperature, min-p, top-k and top-p (decided among `num_candidates`),
+    then the seeded exponential race. The reference for the kernel `vllm_aot::sample_tokens`,
+    which head programs call where kernels build."""
+    allowed = unpack_vocab_mask(t.vocab_mask, source.shape[-1])
+    masked = source.masked_fill(~allowed, float("-inf"))
+    tokens = masked.argmax(dim=-1)
+    if is_greedy:
+        return tokens
+    drawn = _random_tokens(masked, allowed, t, num_candidates)
+    return torch.where(t.top_k == 1, tokens, drawn)  # normalised greedy rows: top_k 1
 
 
 def logprob_stats(
