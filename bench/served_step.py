@@ -1,0 +1,166 @@
+"""One stream served against the same step in the runtime alone (issue 18), rounds alternated.
+
+Prints, for the bundled GGUF exported once (`vllm-aot export --quantization gguf`) and both
+sides running its programs: the runtime's batch-1 decode step (median, in a process of its
+own while the idle server waits) and `vllm-aot serve`'s time per output token to one streaming
+client, request after request, then their ratio, round by round and as medians. Both sides get
+the same prompt (token ids), 128 new tokens after it and the same sampling (temperature 1, as
+`vllm bench serve` leaves it, or `--temperature 0` for greedy), so the ratio is what the server
+adds around the programs. The host's minute-to-minute speed moves both alike: the rounds
+alternate, and each round's ratio is read off its own pair.
+
+    .venv/bin/python bench/served_step.py [--artifact DIR] [--rounds 3] [--requests 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+PROMPT_LEN = 128
+NEW_TOKENS = 128
+MODEL_NAME = "served-step"
+
+
+def prompt_ids() -> list[int]:
+    return [(31 * i) % 40000 + 100 for i in range(PROMPT_LEN)]
+
+
+def runtime_step_ms(artifact: Path, temperature: float, passes: int) -> float:
+    """The runtime alone: a prompt's prefill, then its decode steps with the served request's
+    sampling; the median step over `passes` passes of NEW_TOKENS - 1 steps."""
+    import torch
+
+    from vllm_aot.loading.startup import load_model
+    from vllm_aot.runtime.config import RuntimeConfig
+    from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
+    from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
+    from vllm_aot.runtime.sampler import SamplingParams
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    model, _ = load_model(artifact, RuntimeConfig(dtype="bfloat16", quantization="gguf"))
+    params = SamplingParams(temperature=temperature).normalized()
+    blocks = BlockAllocator(model.config.total_kv_blocks).allocate(
+        blocks_needed(PROMPT_LEN + NEW_TOKENS, model.config.block_size)
+    )
+    times = []
+    for warm_up in [True] + [False] * passes:
+        out = model.prefill(
+            [PrefillChunk(prompt_ids(), 0, blocks)], [RowSampling(params, 7, PROMPT_LEN)]
+        )
+        last, steps = int(out.tokens[0]), []
+        for position in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1):
+            start = time.perf_counter()
+            out = model.decode(
+                [DecodeRow(last, position, blocks)], [RowSampling(params, 7, position + 1)]
+            )
+            steps.append(time.perf_counter() - start)
+            last = int(out.tokens[0])
+        if not warm_up:
+            times.extend(steps)
+    return statistics.median(times) * 1000
+
+
+def served_tpot_ms(port: int, temperature: float) -> float:
+    """One streamed completion: (last token's arrival - first's) / (tokens - 1), the tokens
+    counted by the server's usage, not by stream events (vLLM may merge deltas)."""
+    body = {
+        "model": MODEL_NAME, "prompt": prompt_ids(), "max_tokens": NEW_TOKENS,
+        "ignore_eos": True, "temperature": temperature, "seed": 7, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200, response.read()[:500]
+    first = last = None
+    tokens = 0
+    for line in response:
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        if event.get("choices") and event["choices"][0].get("text"):
+            last = time.perf_counter()
+            first = first or last
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    connection.close()
+    assert tokens == NEW_TOKENS and first is not None, f"{tokens} tokens"
+    return (last - first) / (tokens - 1) * 1000
+
+
+def export(artifact: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "vllm_aot.cli.main", "export", "--quantization", "gguf",
+         "--dtype", "bfloat16", "--copy-weights", "-o", str(artifact)],
+        check=True,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", type=Path, help="exported directory to reuse or create")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=4, help="served requests a round")
+    parser.add_argument("--passes", type=int, default=3, help="runtime passes a round")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--serve-args", default="", help="extra `vllm-aot serve` flags")
+    parser.add_argument("--runtime-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.runtime_only:  # the child process of a round
+        print(json.dumps(runtime_step_ms(args.artifact, args.temperature, args.passes)))
+        return
+    from vllm_aot.testing import free_port, running_server
+
+    work = Path(tempfile.mkdtemp(prefix="served-step-"))
+    artifact = args.artifact or work / "model"
+    if not (artifact / "vllm-aot-manifest.json").exists():
+        export(artifact)
+    port = free_port()
+    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(artifact), "--port",
+               str(port), "--served-model-name", MODEL_NAME, *args.serve_args.split()]  # fmt: skip
+    rows = []
+    with running_server(command, port=port, log_path=work / "serve.log", timeout=1800):
+        served_tpot_ms(port, args.temperature)  # warm-up
+        for _ in range(args.rounds):
+            child = subprocess.run(
+                [sys.executable, __file__, "--runtime-only", "--artifact", str(artifact),
+                 "--temperature", str(args.temperature), "--passes", str(args.passes)],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            alone = json.loads(child.stdout.strip().splitlines()[-1])
+            served = statistics.median(
+                served_tpot_ms(port, args.temperature) for _ in range(args.requests)
+            )
+            rows.append((alone, served))
+            print(f"round {len(rows)}: step alone {alone:.2f} ms, served TPOT {served:.2f} ms")
+    table = Table(title=f"one stream, {PROMPT_LEN} + {NEW_TOKENS} tokens, temperature "
+                  f"{args.temperature:g}: served TPOT against the runtime's step")  # fmt: skip
+    for column in ("round", "step alone ms", "served TPOT ms", "served / alone"):
+        table.add_column(column, justify="right")
+    for i, (alone, served) in enumerate(rows, 1):
+        table.add_row(str(i), f"{alone:.2f}", f"{served:.2f}", f"{served / alone:.2f}x")
+    ratios = [served / alone for alone, served in rows]
+    table.add_row(
+        "median", f"{statistics.median(a for a, _ in rows):.2f}",
+        f"{statistics.median(s for _, s in rows):.2f}", f"{statistics.median(ratios):.2f}x",
+    )  # fmt: skip
+    Console().print(table)
+    print(f"results and logs in {work}")
+
+
+if __name__ == "__main__":
+    main()
