@@ -1,15 +1,16 @@
-"""One stream served against the same step in the runtime alone (issue 18), rounds alternated.
+"""One stream served against the same step in the runtime alone (issue 18), pass by pass.
 
 Prints, for the bundled GGUF exported once (`vllm-aot export --quantization gguf`) and both
-sides running its programs: the runtime's batch-1 decode step (median, in a process of its
-own while the idle server waits) and `vllm-aot serve`'s time per output token to one streaming
-client, request after request, then their ratio, round by round and as medians. Both sides get
-the same prompt (token ids), 128 new tokens after it and the same sampling (temperature 1, as
-`vllm bench serve` leaves it, or `--temperature 0` for greedy), so the ratio is what the server
-adds around the programs. The host's minute-to-minute speed moves both alike: the rounds
-alternate, and each round's ratio is read off its own pair.
+sides running its programs: the runtime's batch-1 decode step (the median of one request's
+steps, in a process of its own that keeps the model loaded and waits while the server works) and
+`vllm-aot serve`'s time per output token to one streaming client, then their ratio, pair by pair
+and as medians. Both sides get the same prompt (token ids), 128 new tokens after it and the same
+sampling (temperature 1, as `vllm bench serve` leaves it, or `--temperature 0` for greedy), so the
+ratio is what the server adds around the programs. The host's speed moves from minute to minute
+(here by over half): a runtime pass and a served request alternate, seconds apart, and each
+pair's ratio is read off its own two figures.
 
-    .venv/bin/python bench/served_step.py [--artifact DIR] [--rounds 3] [--requests 4]
+    .venv/bin/python bench/served_step.py [--artifact DIR] [--pairs 8]
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def prompt_ids() -> list[int]:
     return [(31 * i) % 40000 + 100 for i in range(PROMPT_LEN)]
 
 
-def runtime_step_ms(artifact: Path, temperature: float, passes: int) -> float:
-    """The runtime alone: a prompt's prefill, then its decode steps with the served request's
-    sampling; the median step over `passes` passes of NEW_TOKENS - 1 steps."""
+def runtime_passes(artifact: Path, temperature: float) -> None:
+    """The runtime alone, as a child process: the model loaded once, then for every line on
+    stdin one pass (a prompt's prefill, then its decode steps with the served request's
+    sampling), its median step in ms printed as a line."""
     import torch
 
     from vllm_aot.loading.startup import load_model
@@ -54,8 +56,8 @@ def runtime_step_ms(artifact: Path, temperature: float, passes: int) -> float:
     blocks = BlockAllocator(model.config.total_kv_blocks).allocate(
         blocks_needed(PROMPT_LEN + NEW_TOKENS, model.config.block_size)
     )
-    times = []
-    for warm_up in [True] + [False] * passes:
+
+    def one_pass() -> float:
         out = model.prefill(
             [PrefillChunk(prompt_ids(), 0, blocks)], [RowSampling(params, 7, PROMPT_LEN)]
         )
@@ -67,9 +69,12 @@ def runtime_step_ms(artifact: Path, temperature: float, passes: int) -> float:
             )
             steps.append(time.perf_counter() - start)
             last = int(out.tokens[0])
-        if not warm_up:
-            times.extend(steps)
-    return statistics.median(times) * 1000
+        return statistics.median(steps) * 1000
+
+    one_pass()  # warm-up
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(one_pass()), flush=True)
 
 
 def served_tpot_ms(port: int, temperature: float) -> float:
@@ -113,17 +118,16 @@ def export(artifact: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifact", type=Path, help="exported directory to reuse or create")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=4, help="served requests a round")
-    parser.add_argument("--passes", type=int, default=3, help="runtime passes a round")
+    parser.add_argument("--pairs", type=int, default=8, help="runtime passes and served requests")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--serve-args", default="", help="extra `vllm-aot serve` flags")
-    parser.add_argument("--runtime-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--runtime-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.runtime_only:  # the child process of a round
-        print(json.dumps(runtime_step_ms(args.artifact, args.temperature, args.passes)))
+    if args.runtime_child:
+        runtime_passes(args.artifact, args.temperature)
         return
-    from vllm_aot.testing import free_port, running_server
+    from vllm_aot.serve.launch import GOMP_SPINCOUNT
+    from vllm_aot.testing import free_port, running_server, stop_process
 
     work = Path(tempfile.mkdtemp(prefix="served-step-"))
     artifact = args.artifact or work / "model"
@@ -132,34 +136,50 @@ def main() -> None:
     port = free_port()
     command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(artifact), "--port",
                str(port), "--served-model-name", MODEL_NAME, *args.serve_args.split()]  # fmt: skip
-    rows = []
-    with running_server(command, port=port, log_path=work / "serve.log", timeout=1800):
-        served_tpot_ms(port, args.temperature)  # warm-up
-        for _ in range(args.rounds):
-            child = subprocess.run(
-                [sys.executable, __file__, "--runtime-only", "--artifact", str(artifact),
-                 "--temperature", str(args.temperature), "--passes", str(args.passes)],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
-            alone = json.loads(child.stdout.strip().splitlines()[-1])
-            served = statistics.median(
-                served_tpot_ms(port, args.temperature) for _ in range(args.requests)
-            )
-            rows.append((alone, served))
-            print(f"round {len(rows)}: step alone {alone:.2f} ms, served TPOT {served:.2f} ms")
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--runtime-child", "--artifact", str(artifact),
+         "--temperature", str(args.temperature)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={"GOMP_SPINCOUNT": str(GOMP_SPINCOUNT), **os.environ},  # as `vllm-aot serve` sets
+    )  # fmt: skip
+    pairs = []
+    try:
+        with running_server(command, port=port, log_path=work / "serve.log", timeout=1800):
+            served_tpot_ms(port, args.temperature)  # warm-up
+            for line in child.stdout:  # past anything an import printed
+                if line.strip() == "ready":
+                    break
+            else:
+                raise RuntimeError("the runtime child exited before its first pass")
+            for i in range(args.pairs):
+                child.stdin.write("pass\n")
+                child.stdin.flush()
+                alone = float(child.stdout.readline())
+                served = served_tpot_ms(port, args.temperature)
+                pairs.append((alone, served))
+                print(f"pair {i + 1}: step alone {alone:.2f} ms, served TPOT {served:.2f} ms")
+    finally:
+        child.stdin.close()
+        stop_process(child)
+    print_pairs(pairs, args.temperature)
+    print(f"results and logs in {work}")
+
+
+def print_pairs(pairs: list[tuple[float, float]], temperature: float) -> None:
     table = Table(title=f"one stream, {PROMPT_LEN} + {NEW_TOKENS} tokens, temperature "
-                  f"{args.temperature:g}: served TPOT against the runtime's step")  # fmt: skip
-    for column in ("round", "step alone ms", "served TPOT ms", "served / alone"):
+                  f"{temperature:g}: served TPOT against the runtime's step")  # fmt: skip
+    for column in ("pair", "step alone ms", "served TPOT ms", "served / alone"):
         table.add_column(column, justify="right")
-    for i, (alone, served) in enumerate(rows, 1):
+    for i, (alone, served) in enumerate(pairs, 1):
         table.add_row(str(i), f"{alone:.2f}", f"{served:.2f}", f"{served / alone:.2f}x")
-    ratios = [served / alone for alone, served in rows]
+    ratios = [served / alone for alone, served in pairs]
     table.add_row(
-        "median", f"{statistics.median(a for a, _ in rows):.2f}",
-        f"{statistics.median(s for _, s in rows):.2f}", f"{statistics.median(ratios):.2f}x",
+        "median", f"{statistics.median(a for a, _ in pairs):.2f}",
+        f"{statistics.median(s for _, s in pairs):.2f}", f"{statistics.median(ratios):.2f}x",
     )  # fmt: skip
     Console().print(table)
-    print(f"results and logs in {work}")
+    within = sum(r <= 1.15 for r in ratios)
+    print(f"pairs within 15 % of the step alone: {within} of {len(ratios)}")
 
 
 if __name__ == "__main__":
