@@ -85,6 +85,16 @@ def test_a_row_allowing_one_token_gets_it_greedy_or_sampled(draw):
     assert draw(logits, t, False, 64).tolist() == [999] * len(ROW_PARAMS)
 
 
+def test_a_row_allowing_nothing_gets_token_zero_as_the_reference_does(draw):
+    vocab = 300
+    g = torch.Generator().manual_seed(4)
+    t = tensors(len(ROW_PARAMS), vocab, g, masked=False)
+    t = t._replace(vocab_mask=torch.zeros_like(t.vocab_mask))
+    logits = torch.randn(len(ROW_PARAMS), vocab, generator=g)
+    want = draw_tokens(logits, t, False, 64)
+    assert draw(logits, t, False, 64).tolist() == want.tolist() == [0] * len(ROW_PARAMS)
+
+
 def test_a_rows_token_does_not_depend_on_its_neighbours(draw):
     vocab = 4099
     g = torch.Generator().manual_seed(2)

@@ -138,7 +138,10 @@ float softmax_into(const float* x, const int32_t* mask, int64_t v, float tempera
   float top = *std::max_element(lanes, lanes + 8);
   for (int64_t j = i; j < v; ++j)
     if (allowed1(mask, j)) top = std::max(top, x[j] / temperature);
-  if (top == -kInf) return 0.f;  // nothing allowed: every probability 0
+  if (top == -kInf) {  // nothing allowed: every probability 0
+    std::fill(probs, probs + v, 0.f);
+    return 0.f;
+  }
   const __m256 tv = _mm256_set1_ps(top);
   __m256 s = _mm256_setzero_ps();
   for (i = 0; i + 8 <= v; i += 8) {
