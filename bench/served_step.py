@@ -28,14 +28,16 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from runtime_bench import tokens
+
+from vllm_aot.loading.artifacts import export_model, is_artifact_dir
+from vllm_aot.models.prepare import prepare_default_model
+from vllm_aot.runtime.config import RuntimeConfig
 
 PROMPT_LEN = 128
 NEW_TOKENS = 128
 MODEL_NAME = "served-step"
-
-
-def prompt_ids() -> list[int]:
-    return [(31 * i) % 40000 + 100 for i in range(PROMPT_LEN)]
+CONFIG = RuntimeConfig(dtype="bfloat16", quantization="gguf")  # serve's default, the bundled GGUF
 
 
 def runtime_passes(artifact: Path, temperature: float) -> None:
@@ -45,13 +47,12 @@ def runtime_passes(artifact: Path, temperature: float) -> None:
     import torch
 
     from vllm_aot.loading.startup import load_model
-    from vllm_aot.runtime.config import RuntimeConfig
     from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
     from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
     from vllm_aot.runtime.sampler import SamplingParams
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model, _ = load_model(artifact, RuntimeConfig(dtype="bfloat16", quantization="gguf"))
+    model, _ = load_model(artifact, CONFIG)
     params = SamplingParams(temperature=temperature).normalized()
     blocks = BlockAllocator(model.config.total_kv_blocks).allocate(
         blocks_needed(PROMPT_LEN + NEW_TOKENS, model.config.block_size)
@@ -59,7 +60,7 @@ def runtime_passes(artifact: Path, temperature: float) -> None:
 
     def one_pass() -> float:
         out = model.prefill(
-            [PrefillChunk(prompt_ids(), 0, blocks)], [RowSampling(params, 7, PROMPT_LEN)]
+            [PrefillChunk(tokens(PROMPT_LEN), 0, blocks)], [RowSampling(params, 7, PROMPT_LEN)]
         )
         last, steps = int(out.tokens[0]), []
         for position in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1):
@@ -81,7 +82,7 @@ def served_tpot_ms(port: int, temperature: float) -> float:
     """One streamed completion: (last token's arrival - first's) / (tokens - 1), the tokens
     counted by the server's usage, not by stream events (vLLM may merge deltas)."""
     body = {
-        "model": MODEL_NAME, "prompt": prompt_ids(), "max_tokens": NEW_TOKENS,
+        "model": MODEL_NAME, "prompt": tokens(PROMPT_LEN), "max_tokens": NEW_TOKENS,
         "ignore_eos": True, "temperature": temperature, "seed": 7, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
@@ -92,7 +93,7 @@ def served_tpot_ms(port: int, temperature: float) -> float:
     response = connection.getresponse()
     assert response.status == 200, response.read()[:500]
     first = last = None
-    tokens = 0
+    count = 0
     for line in response:
         if not line.startswith(b"data: {"):
             continue
@@ -101,18 +102,10 @@ def served_tpot_ms(port: int, temperature: float) -> float:
             last = time.perf_counter()
             first = first or last
         if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
+            count = event["usage"]["completion_tokens"]
     connection.close()
-    assert tokens == NEW_TOKENS and first is not None, f"{tokens} tokens"
-    return (last - first) / (tokens - 1) * 1000
-
-
-def export(artifact: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "vllm_aot.cli.main", "export", "--quantization", "gguf",
-         "--dtype", "bfloat16", "--copy-weights", "-o", str(artifact)],
-        check=True,
-    )  # fmt: skip
+    assert count == NEW_TOKENS and first is not None, f"{count} tokens"
+    return (last - first) / (count - 1) * 1000
 
 
 def main() -> None:
@@ -131,8 +124,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="served-step-"))
     artifact = args.artifact or work / "model"
-    if not (artifact / "vllm-aot-manifest.json").exists():
-        export(artifact)
+    if not is_artifact_dir(artifact):
+        export_model(prepare_default_model(), artifact, CONFIG, copy_weights=True)
     port = free_port()
     command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(artifact), "--port",
                str(port), "--served-model-name", MODEL_NAME, *args.serve_args.split()]  # fmt: skip

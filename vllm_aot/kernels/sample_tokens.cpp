@@ -1,5 +1,5 @@
 // The sampler's draw in one op: a token per row of logits, the maths of `runtime.sampler`'s
-// `sample_tokens` (the reference) without its [rows, vocab] intermediates.
+// `draw_tokens` (the reference) without its [rows, vocab] intermediates.
 //
 // Per row: the vocabulary bitmask read a word at a time; greedy rows (top_k 1, or every row of a
 // greedy head) take the first largest allowed logit. Sampled rows: the softmax of logits /
@@ -83,9 +83,9 @@ struct ArgMax {
         _mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), better));
   }
 
-  // The winner across lanes and the scalar tail [from, v) of `value(i)`.
+  // The winner's index across lanes and the scalar tail [from, v) of `value(i)`.
   template <typename F>
-  std::pair<float, int64_t> result(int64_t from, int64_t v, F value) const {
+  int64_t result(int64_t from, int64_t v, F value) const {
     alignas(32) float b[8];
     alignas(32) int32_t a[8];
     _mm256_store_ps(b, best);
@@ -104,7 +104,7 @@ struct ArgMax {
         arg = i;
       }
     }
-    return {top, arg};
+    return arg;
   }
 };
 
@@ -114,7 +114,7 @@ int64_t greedy_token(const float* x, const int32_t* mask, int64_t v) {
   for (; i + 8 <= v; i += 8)
     am.offer(_mm256_blendv_ps(_mm256_set1_ps(-kInf), _mm256_loadu_ps(x + i), allowed8(mask, i)),
              i);
-  return am.result(i, v, [&](int64_t j) { return allowed1(mask, j) ? x[j] : -kInf; }).second;
+  return am.result(i, v, [&](int64_t j) { return allowed1(mask, j) ? x[j] : -kInf; });
 }
 
 struct RowParams {
@@ -236,7 +236,7 @@ int64_t race(const float* probs, const int32_t* mask, int64_t v, float threshold
     const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.f / (1 << 24));
     return probs[j] / -std::log(u);
   };
-  return am.result(i, v, tail).second;
+  return am.result(i, v, tail);
 }
 
 at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& vocab_mask,
