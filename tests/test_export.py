@@ -187,6 +187,24 @@ def test_loading_an_export_compiles_nothing_not_even_an_isa_probe(exported, tmp_
     assert not list(tmp_path.rglob("*.so")), "loading compiled Inductor's ISA probe"
 
 
+def test_a_killed_process_leaves_nothing_of_its_programs_in_the_temporary_directory(
+    exported, tmp_path
+):
+    """A server's engine is killed, never torn down: whatever loading its programs put in the
+    temporary directory must be gone once they are loaded (torch's package loader left an
+    extracted copy of every program there until its loader was destroyed)."""
+    out, _ = exported
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    script = (
+        "import os; from vllm_aot.loading.startup import load_model; "
+        f"model, _ = load_model({str(out)!r}); os._exit(0)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    assert not list(scratch.iterdir())
+
+
 def test_an_incomplete_export_is_not_loadable(exported, tmp_path):
     out, _ = exported
     copy = tmp_path / "copy"

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import tempfile
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -30,29 +32,54 @@ def eager_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> Pr
 
 
 class CompiledProgram:
-    """A loaded AOTInductor package, called straight through its runner.
+    """A compiled package's model library, called straight through its runner.
+
+    torch's package loader extracts the whole archive into a fresh `aotinductor_*` directory
+    under the system's temporary directory and removes it only when the loader is destroyed,
+    which a server's killed engine never does (every start left its programs behind, ~1.8 MB
+    each). Ours extracts the one library the archive holds (its constants are compiled into
+    it: programs take their weights as inputs) and the files beside it into a directory of its
+    own, loads it and removes the directory at once; the mapped library outlives its file.
 
     Our programs take and return flat tuples of tensors, so torch's generic call (two tree-spec
-    parses, a flatten and an unflatten, ~13 us) is skipped: 31 calls a decode step. The package's
-    call spec is checked once, here; the outputs come back as a list.
+    parses, a flatten and an unflatten, ~13 us) is skipped: 31 calls a decode step. The
+    program's call spec is checked once, here; the outputs come back as a list.
     """
 
     __slots__ = ("_run",)
 
-    def __init__(self, package) -> None:
-        in_spec, out_spec = (pytree.treespec_loads(s) for s in package.loader.get_call_spec())
+    def __init__(self, path: Path) -> None:
+        runner = _load_runner(path)
+        in_spec, out_spec = (pytree.treespec_loads(s) for s in runner.get_call_spec())
         flat_in = pytree.tree_structure((tuple(range(in_spec.num_leaves)), {}))
         flat_out = pytree.tree_structure(tuple(range(out_spec.num_leaves)))
         assert (in_spec, out_spec) == (flat_in, flat_out), (
             f"program signature {in_spec} -> {out_spec}: programs take and return flat tensors"
         )
-        self._run = package.loader.boxed_run
+        self._run = runner.run
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
-        return self._run(list(args))  # the runner takes the list's references
+        return self._run(list(args))
+
+
+def _load_runner(path: Path):
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        libraries = [n for n in names if n.endswith(".so")]
+        if len(libraries) != 1 or any("/data/constants/" in n for n in names):
+            raise RuntimeError(
+                f"{path}: not one of our programs (one model library, constants compiled in); "
+                f"it holds {len(libraries)} libraries"
+            )
+        stem = libraries[0].removesuffix(".so")
+        with tempfile.TemporaryDirectory(prefix="vllm-aot-program-") as scratch:
+            # The runner reads the library's calls to our ops from the JSON beside it.
+            for name in (n for n in names if n.startswith(stem)):
+                archive.extract(name, scratch)
+            return torch._C._aoti.AOTIModelContainerRunnerCpu(f"{scratch}/{libraries[0]}", 1)
 
 
 def load_program(path: Path, config: RuntimeConfig) -> Program:
     """A compiled package; the kernels it calls by name are loaded into the process first."""
     load_used(config.formats_used())
-    return CompiledProgram(torch._inductor.aoti_load_package(str(path)))
+    return CompiledProgram(path)
