@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from vllm_aot.runtime.buckets import fitting_bucket
@@ -237,21 +238,26 @@ def prepare_decode(rows: Sequence[DecodeRow], config: RuntimeConfig) -> DecodeIn
         )
     num_rows, num_ctx_tokens = key.size, key.context_tokens
     bs = config.block_size
-    num_ctx_blocks = num_ctx_tokens // bs
-    tables = torch.full((num_rows, num_ctx_blocks), DUMMY_BLOCK, dtype=torch.int64)
-    lengths = torch.zeros(num_rows, dtype=torch.int64)
-    token_ids = torch.zeros(num_rows, dtype=torch.int64)
-    positions = torch.zeros(num_rows, dtype=torch.int64)
-    slots = torch.full((num_rows,), DUMMY_BLOCK * bs, dtype=torch.int64)
+    tables = np.full((num_rows, num_ctx_tokens // bs), DUMMY_BLOCK, dtype=np.int64)
+    token_ids = np.zeros(num_rows, dtype=np.int64)
+    positions = np.zeros(num_rows, dtype=np.int64)  # also each row's number of cached tokens
+    slots = np.full(num_rows, DUMMY_BLOCK * bs, dtype=np.int64)
     for i, row in enumerate(rows):
         cached = row.block_table[: blocks_needed(row.position, bs)]
-        tables[i, : len(cached)] = torch.tensor(cached, dtype=torch.int64)
-        lengths[i] = row.position
+        tables[i, : len(cached)] = cached
         token_ids[i] = row.token_id
         positions[i] = row.position
         slots[i] = _slots(row.block_table, range(row.position, row.position + 1), bs)[0]
-    context_mask = torch.arange(num_ctx_tokens)[None, :] < lengths[:, None]
-    return DecodeInputs(key, token_ids, positions, slots, tables, context_mask)
+    context_mask = np.arange(num_ctx_tokens)[None, :] < positions[:, None]
+    return DecodeInputs(key, *_tensors(token_ids, positions, slots, tables, context_mask))
+
+
+def _tensors(*arrays: np.ndarray) -> list[torch.Tensor]:
+    """The step's inputs as tensors sharing the arrays' memory. A decode step's inputs are
+    built in numpy: each torch call releases the GIL, and in a server every release lets the
+    engine's other threads in, so a dozen small torch calls cost the step thread ~0.5 ms
+    (docs/benchmarks.md, "The step's host work")."""
+    return [torch.from_numpy(a) for a in arrays]
 
 
 def prepare_sampling(
@@ -260,18 +266,26 @@ def prepare_sampling(
     """Pad per-row sampling settings to the head bucket; padded rows are greedy and ignored."""
     pad = num_rows - len(rows)
     params = [r.params for r in rows]
-    masks = torch.full((num_rows, mask_words(vocab_size)), -1, dtype=torch.int32)
+    masks = np.full((num_rows, mask_words(vocab_size)), -1, dtype=np.int32)
     for i, row in enumerate(rows):
         if row.vocab_mask is not None:
-            masks[i] = row.vocab_mask
+            masks[i] = row.vocab_mask.numpy()
+    temperature, top_k, top_p, min_p, seeds, positions = _tensors(
+        np.array([p.temperature for p in params] + [1.0] * pad, dtype=np.float32),
+        np.array([p.top_k for p in params] + [1] * pad, dtype=np.int64),
+        np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32),
+        np.array([p.min_p for p in params] + [0.0] * pad, dtype=np.float32),
+        np.array([r.seed % (1 << 63) for r in rows] + [0] * pad, dtype=np.int64),
+        np.array([r.position for r in rows] + [0] * pad, dtype=np.int64),
+    )
     return SamplingTensors(
-        temperature=torch.tensor([p.temperature for p in params] + [1.0] * pad),
-        top_k=torch.tensor([p.top_k for p in params] + [1] * pad, dtype=torch.int64),
-        top_p=torch.tensor([p.top_p for p in params] + [1.0] * pad),
-        min_p=torch.tensor([p.min_p for p in params] + [0.0] * pad),
-        seeds=torch.tensor([r.seed % (1 << 63) for r in rows] + [0] * pad, dtype=torch.int64),
-        positions=torch.tensor([r.position for r in rows] + [0] * pad, dtype=torch.int64),
-        vocab_mask=masks,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seeds,
+        positions=positions,
+        vocab_mask=torch.from_numpy(masks),
     )
 
 
