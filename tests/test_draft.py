@@ -73,6 +73,36 @@ def test_self_speculative_drafts_are_the_first_layers_greedy_text(deep_dir):
     assert model.step_stats.to_dict()["draft"]["rows"]["real"] == 2 + 2 + 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_whole_target_drafting_as_it_samples_drafts_its_own_next_tokens(deep_dir, temperature):
+    """Multi-step decoding's premise: the target's every layer, each row sampled as its request
+    samples (seed and position), drafts exactly the tokens plain decoding gives, so they need
+    no verifying."""
+    from vllm_aot.runtime.inputs import DecodeRow
+    from vllm_aot.runtime.sampler import SamplingParams
+
+    model, _ = load_model(deep_dir, tiny_config(), show_progress=False)
+    draft = ModelDraft(model, num_layers=4, shares_kv=True)
+    assert draft.is_exact and not ModelDraft(model, num_layers=2, shares_kv=True).is_exact
+    params = SamplingParams(temperature=temperature, top_p=0.9).normalized()
+    rows, plain = [], {}
+    for i, prompt in enumerate(PROMPTS):
+        blocks = _blocks(1 + 8 * i, len(prompt) + K + 1)
+        tokens = [*prompt, _prefill(model, prompt, blocks)]
+        rows.append(DraftRow(f"r{i}", tokens, blocks, K - i, params, seed=11 + i))
+        other = _blocks(40 + 8 * i, len(prompt) + K + 1)  # plain decoding in blocks of its own
+        _prefill(model, prompt, other)
+        got, last = [], tokens[-1]
+        for position in range(len(tokens) - 1, len(tokens) - 1 + K - i):
+            out = model.decode(
+                [DecodeRow(last, position, other)], [RowSampling(params, 11 + i, position + 1)]
+            )
+            last = int(out.tokens[0])
+            got.append(last)
+        plain[f"r{i}"] = got
+    assert draft.propose(rows) == plain
+
+
 def test_a_draft_model_catches_up_on_what_it_has_not_seen(deep_dir, tiny_model_dirs):
     """A draft model with its own pool (the 2-layer tiny Llama drafting for the 4-layer one):
     its drafts are its own greedy text after the prompt, after accepted drafts, and after a

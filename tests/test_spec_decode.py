@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -155,6 +156,43 @@ def test_options_take_the_drafts_from_the_speculative_config(tiny_model_dirs):
     assert options.runtime.verify_batch_buckets == (1, 2, 4)
     with pytest.raises(ValueError, match="--speculative-config asks 3"):
         resolve_options(**common, extra={"num_speculative_tokens": 2}, num_speculative_tokens=K)
+
+
+def test_the_whole_model_as_its_own_draft_is_multi_step_decoding(tiny_model_dirs, tmp_path):
+    """`draft_layers` "all" (or the target's depth) of a self-draft asks multi-step decoding:
+    no verify programs, drafts for any decode batch; `vllm-aot serve` then picks the plain
+    configuration from the registry (the same programs)."""
+    from vllm_aot.plugin.options import AotOptions
+    from vllm_aot.plugin.spec_decode import DraftPlan, draft_plan
+    from vllm_aot.serve.settings import asks_multi_step
+
+    model_dir = str(tiny_model_dirs("llama"))
+    spec = SimpleNamespace(
+        method="draft_model",
+        model=model_dir,
+        target_model_config=SimpleNamespace(model=model_dir),
+        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=2)),
+    )
+    assert draft_plan(spec, "all") == draft_plan(spec, 2) == DraftPlan(None, 2, multi_step=True)
+    assert draft_plan(spec, None) == DraftPlan(None, 1)  # half: self-speculation
+    with pytest.raises(ValueError, match=r'supported: 1\.\.2, or "all"'):
+        draft_plan(spec, "most")
+    other = SimpleNamespace(**{**vars(spec), "model": str(tmp_path)})  # a draft model of its own
+    assert draft_plan(other, "all") == DraftPlan(str(tmp_path), 2)
+    options = AotOptions(runtime=tiny_config(), multi_step=True)
+    assert options.max_draft_rows == max(options.runtime.decode_batch_buckets)
+    assert AotOptions(runtime=tiny_config()).max_draft_rows == 0
+
+    def passthrough(layers, model=None) -> tuple[str, ...]:
+        asked = {"method": "draft_model", "num_speculative_tokens": 4}
+        asked |= {"model": model} if model else {}
+        return ("--speculative-config", json.dumps(asked), "--additional-config",
+                json.dumps({"draft_layers": layers}))  # fmt: skip
+
+    assert asks_multi_step(passthrough("all"), model_dir, 2)
+    assert asks_multi_step(passthrough(2, model_dir), model_dir, 2)
+    assert not asks_multi_step(passthrough(1), model_dir, 2)
+    assert not asks_multi_step(passthrough("all", str(tmp_path)), model_dir, 2)
 
 
 def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():

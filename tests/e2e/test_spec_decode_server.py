@@ -176,6 +176,46 @@ def test_self_speculative_greedy_text_is_byte_identical(tiny_model_dirs, tmp_pat
     assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0, counters
 
 
+def _request(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps({"model": "m", **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def test_multi_step_decoding_gives_the_plain_servers_text_and_samples(tiny_model_dirs, tmp_path):
+    """The whole model drafting for itself (`draft_layers: "all"`): greedy text byte-identical
+    at 1 and 8 streams, seeded samples identical to the plain server's (its drafts are its own
+    tokens), a stop string landing where it does without drafts, every draft accepted (but
+    those drafted past a request's end of sequence) and no verify program run."""
+    model_dir = tiny_model_dirs("llama")
+    sampled = {"prompt": COPY_PROMPTS[0], "max_tokens": 40, "temperature": 1.0, "seed": 7}
+    sampled["ignore_eos"] = True
+
+    def observe(url: str) -> dict:
+        texts = {s: _texts(url, COPY_PROMPTS, 32, s) for s in (1, 8)}
+        sample = _request(url, sampled)
+        stop = sample["choices"][0]["text"][12:16]
+        stopped = _request(url, {**sampled, "stop": [stop]})["choices"][0]
+        return {"texts": texts, "sample": sample["choices"][0]["text"], "stopped": stopped}
+
+    with _server(model_dir, None, tmp_path / "plain.log") as url:
+        expected = observe(url)
+    additional = {"draft_layers": "all"}
+    spec = _self_draft(model_dir)
+    with _server(model_dir, spec, tmp_path / "ms.log", additional=additional) as url:
+        assert observe(url) == expected
+        counters = _wait_counters(url, "vllm:spec_decode_num_accepted_tokens_total", 1)
+    assert expected["stopped"]["finish_reason"] == "stop"
+    drafted = counters["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafted > 100 and accepted >= 0.98 * drafted, counters  # all but past an EOS
+    assert counters.get("verify", 0) == 0 and counters["decode"] > 0, counters
+
+
 @pytest.mark.slow  # the self-speculative server test covers the fast suite
 def test_a_draft_model_of_its_own_is_accepted_throughout(tiny_model_dirs, tmp_path):
     """A copy of the target as a separate draft model (its own programs, weights and pool,

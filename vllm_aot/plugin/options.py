@@ -55,8 +55,22 @@ class AotOptions:
     # Speculative decoding's `method: draft_model` (`plugin/spec_decode.py`): the draft's layers
     # (None: all; self-speculation's default is half the target's), and the draft model's path
     # (None: none, or the target itself).
-    draft_layers: int | None = None
+    draft_layers: int | None = None  # --additional-config may say "all" (resolved at start)
     draft_model: str | None = None
+    # The target drafting with every layer: multi-step decoding, no verify programs (the
+    # runtime's num_speculative_tokens is 0; vLLM's --speculative-config keeps k).
+    multi_step: bool = False
+
+    @property
+    def max_draft_rows(self) -> int:
+        """The widest decode batch that takes drafts: the largest verify program's (any decode
+        batch under multi-step decoding); 0 without speculative decoding."""
+        buckets = (
+            self.runtime.decode_batch_buckets
+            if self.multi_step
+            else self.runtime.verify_batch_buckets
+        )
+        return max(buckets, default=0)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

@@ -147,6 +147,9 @@ def _speculative_summary(spec_config, options) -> str:
     if spec_config is None:
         return "off"
     runtime = options.runtime
+    if options.multi_step:
+        k = spec_config.num_speculative_tokens
+        return f"multi-step: the whole model drafts for itself, up to {k + 1} tokens a step"
     draft = ""
     if spec_config.method == "draft_model":
         layers = "all" if options.draft_layers is None else options.draft_layers
@@ -268,6 +271,8 @@ class AotPlatform(CpuPlatform):
         cache_config = vllm_config.cache_config
         scheduler_config = vllm_config.scheduler_config
         extra = dict(vllm_config.additional_config or {})
+        spec_config = vllm_config.speculative_config
+        plan = draft_plan(spec_config, extra.get("draft_layers"))
         options = resolve_options(
             model=model_config.model,
             dtype=model_config.dtype,
@@ -282,7 +287,7 @@ class AotPlatform(CpuPlatform):
             kv_cache_dtype=cache_config.cache_dtype,
             runner=model_config.runner_type,
             convert=_convert(model_config),
-            num_speculative_tokens=num_speculative_tokens(vllm_config),
+            num_speculative_tokens=0 if plan.multi_step else num_speculative_tokens(vllm_config),
             tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
             enable_expert_parallel=vllm_config.parallel_config.enable_expert_parallel,
         )
@@ -291,9 +296,7 @@ class AotPlatform(CpuPlatform):
             _refuse_uncached(model_config.model, options)
         if options.stats_file is None:
             options = dataclasses.replace(options, stats_file=_stats_file())
-        spec_config = vllm_config.speculative_config
-        draft_model, draft_layers = draft_plan(spec_config, options.draft_layers)
-        options = dataclasses.replace(options, draft_model=draft_model, draft_layers=draft_layers)
+        options = dataclasses.replace(options, **plan._asdict())
         register_collector(options.stats_file)
         is_async = bool(scheduler_config.async_scheduling)  # vLLM's choice, CpuPlatform's veto
         if is_async and runtime.runner == "pooling":  # vLLM's default for pooling models too

@@ -6,9 +6,10 @@ blocks and sampling parameters once; we keep the tokens we sample), then run the
 structured-output requests. A step is one prompt's chunk or every running request's decode
 (the policy's steps, `runtime/policy.py`, AotScheduler's guarantee). Decode rows that carry
 drafts make the step a verify step (`plugin/spec_decode.py`): one verify program, every row's
-accepted drafts plus one token back, and the next drafts proposed for `take_draft_token_ids`.
-While a profiler records, the host-side phases are named ranges (`update_states`,
-`logits_processing`, `runner_output`) around the model's own (see CompiledModel).
+accepted drafts plus one token back, and the next drafts proposed for `take_draft_token_ids`
+(multi-step decoding: the drafts are the model's own, the step decodes each row's last draft
+and returns its drafts and one token). While a profiler records, the host-side phases are
+named ranges (`update_states`, `logits_processing`, `runner_output`) around the model's own.
 
 A failure that concerns one request (`faults.is_per_request`: a new request the model cannot
 serve, a step of one request, one row's host-side processing) drops that request and reports it
@@ -69,25 +70,31 @@ class ScheduledRow:
         """The step reaches the end of the request's known tokens: a token is sampled."""
         return self.start + self.num_known == self.request.num_tokens
 
+    def decode_row(self) -> DecodeRow:
+        """A decode pass's input: the newest token, or under multi-step decoding the last draft
+        (the drafting wrote the K/V of the positions before it)."""
+        token = self.drafts[-1] if self.drafts else self.request.token(self.start)
+        return DecodeRow(token, self.start + len(self.drafts), self.request.block_table)
+
     @property
     def is_decode(self) -> bool:
-        """The newest token past the prompt, and its drafts (the policy's decode, see
-        is_prefilling)."""
+        """The newest token past the prompt, and its drafts (the policy's `is_prefilling`)."""
         return self.num_known == 1 and not is_prefilling(self.request)
 
 
 class Sampled(NamedTuple):
-    """A request's sampled tokens: rows `row`.. of a head output (or of its host re-sampling);
-    more than one when a verify step accepted drafts."""
+    """A request's sampled tokens: rows `row`.. of a head output (or of its host re-sampling),
+    more than one when a verify step accepted drafts; after the `known` ones (multi-step)."""
 
     out: SamplerOutput
     row: int
     num_logprobs: int | None  # top-n the request asked for (None: no logprobs)
-    num_tokens: int = 1
+    num_tokens: int = 1  # rows of `out`
+    known: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> list[int]:
-        return self.out.tokens[self.row : self.row + self.num_tokens].tolist()
+        return [*self.known, *self.out.tokens[self.row : self.row + self.num_tokens].tolist()]
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ class AotModelRunner:
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt logprobs are in progress
         self._pending: PendingStep | None = None
         self.drafter = drafter  # None: no speculative decoding
+        self._multi_step = isinstance(drafter, ModelDrafter) and drafter.exact
         self._drafts: DraftTokenIds | None = None
 
     def _fail(self, exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
@@ -237,13 +245,11 @@ class AotModelRunner:
             f"mixed step: {num_decode} decode and {len(rows) - num_decode} prefill rows; "
             "AotScheduler never schedules one"
         )
-        if num_decode and any(r.drafts for r in rows):
+        if num_decode and any(r.drafts for r in rows) and not self._multi_step:
             hidden, inputs = run_verify(self.model, rows)
             return LayerOutput(tuple(rows), hidden, verify=inputs)
         if num_decode:
-            decode_rows = [
-                DecodeRow(r.request.token(r.start), r.start, r.request.block_table) for r in rows
-            ]
+            decode_rows = [r.decode_row() for r in rows]
             return LayerOutput(tuple(rows), self.model.forward_decode(decode_rows))
         prefill = self.model.forward_prefill([self._prefill_chunk(rows)])
         return LayerOutput(tuple(rows), prefill.last, prefill.tokens)
@@ -286,14 +292,15 @@ class AotModelRunner:
     ) -> dict[str, Sampled]:
         """The head over one program run; rows needing logits processing re-sampled on the host
         (a failure there ends that row's request alone)."""
+        known = [r.drafts if layer.verify is None else () for r in layer.rows]  # multi-step
         sampling = [
             RowSampling(
                 r.request.sampling,
                 r.request.seed,
-                r.start + r.num_known,
+                r.start + r.num_known + len(k),
                 masks.get(r.request.req_id),
             )
-            for r in layer.rows
+            for r, k in zip(layer.rows, known, strict=True)
         ]
         if layer.verify is None:
             out, num_accepted, n = self.model.sample(layer.hidden, sampling), None, 1
@@ -307,7 +314,9 @@ class AotModelRunner:
             request = row.request
             if not needs_logits_processing(request.params):  # rows with drafts never do
                 count = 1 if num_accepted is None else 1 + int(num_accepted[i])
-                sampled[request.req_id] = Sampled(out, i * n, request.params.logprobs, count)
+                sampled[request.req_id] = Sampled(
+                    out, i * n, request.params.logprobs, count, known[i]
+                )
                 continue
             try:
                 with self.model.spans("logits_processing"):
@@ -373,7 +382,7 @@ def _logprobs(entries: Sequence[Sampled | None]) -> LogprobsLists | None:
     if not wanted:
         return None
     k = max(wanted)
-    counts = [1 if e is None else e.num_tokens for e in entries]
+    counts = [1 if e is None else len(e.known) + e.num_tokens for e in entries]
     starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
     ids = np.zeros((starts[-1], k + 1), dtype=np.int32)
     values = np.zeros((starts[-1], k + 1), dtype=np.float32)

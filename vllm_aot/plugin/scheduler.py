@@ -98,9 +98,9 @@ class AotScheduler(ReportingScheduler):
 
     @functools.cached_property
     def max_verify_rows(self) -> int:
-        """The largest batch a verify program takes (0 without speculative decoding)."""
+        """The widest decode batch that takes drafts (0 without speculative decoding)."""
         options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
-        return max(options.runtime.verify_batch_buckets, default=0)
+        return options.max_draft_rows
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         waiting = list(self.waiting)

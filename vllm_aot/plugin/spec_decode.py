@@ -17,6 +17,13 @@ Supported:
   and writing the target's KV pool. Another model sharing the target's vocabulary drafts with
   its own programs, weights and pool (the target's block ids; vLLM reserves the lookahead slots
   its passes write), in the target's dtype, all its layers unless `draft_layers` cuts it.
+- **Multi-step decoding** (`DraftPlan.multi_step`): self-speculation with every layer
+  (`draft_layers` the target's depth). Each request's drafts are sampled as the request samples,
+  so they are the target's own next tokens: no verify program is compiled or run, a step with
+  drafts is one decode pass over each row's last draft, and it returns the drafts and that
+  pass's token (k + 1 tokens a step, the engine's scheduling, output and streaming shared by
+  them). A request asking logprobs decodes one token a step; a request's first token goes out
+  as soon as it is sampled, its drafts start with its second.
 A request gets no drafts while it uses structured outputs or host-side logits processing
 (penalties, bias, bad words, min_tokens: its tokens come from the host), or when one more token
 ends it (or reaches max_model_len); a decode batch larger than the largest verify program
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -35,6 +42,7 @@ from vllm_aot.models.registry import encoder_architectures, supported_architectu
 from vllm_aot.runtime.config import MAX_SPECULATIVE_TOKENS
 from vllm_aot.runtime.draft import DraftGate, DraftRow, ModelDraft
 from vllm_aot.runtime.inputs import VerifyRow
+from vllm_aot.runtime.sampler import GREEDY
 
 if TYPE_CHECKING:  # the platform imports this module while vLLM's config is still loading
     from vllm.v1.outputs import DraftTokenIds
@@ -96,23 +104,37 @@ def is_self_draft(spec_config) -> bool:
     return draft == target or os.path.realpath(draft) == os.path.realpath(target)
 
 
-def draft_plan(spec_config, draft_layers: int | None) -> tuple[str | None, int | None]:
-    """(the draft model's path, None for none or the target itself; its layers, None for all)
-    from `--speculative-config` and `--additional-config`'s `draft_layers`; ValueError for
-    layers the draft does not have, or `draft_layers` without a draft model."""
+class DraftPlan(NamedTuple):
+    """What `method: draft_model` drafts with (the `AotOptions` fields of the same names)."""
+
+    draft_model: str | None = None  # the draft model's path; None for none or the target itself
+    draft_layers: int | None = None  # its layers; None for all
+    multi_step: bool = False  # the target drafting for itself with every layer
+
+
+def draft_plan(spec_config, draft_layers: int | str | None) -> DraftPlan:
+    """The plan from `--speculative-config` and `--additional-config`'s `draft_layers` (a
+    count, or "all": the draft's every layer); ValueError for layers the draft does not have,
+    or `draft_layers` without a draft model."""
     if spec_config is None or spec_config.method != "draft_model":
         if draft_layers is not None:
             raise ValueError(
                 "--additional-config draft_layers needs --speculative-config method draft_model"
             )
-        return None, None
+        return DraftPlan()
     is_self = is_self_draft(spec_config)
     total = spec_config.draft_model_config.hf_config.num_hidden_layers
+    if draft_layers == "all":
+        draft_layers = total
+    if draft_layers is not None and not isinstance(draft_layers, int):
+        raise ValueError(f'draft_layers {draft_layers!r} (supported: 1..{total}, or "all")')
     if draft_layers is None:
         draft_layers = max(1, total // 2) if is_self else None
     if draft_layers is not None and not 1 <= draft_layers <= total:
         raise ValueError(f"draft_layers {draft_layers} (supported: 1..{total}, the draft's layers)")
-    return (None if is_self else spec_config.model), draft_layers
+    if is_self:
+        return DraftPlan(None, draft_layers, multi_step=draft_layers == total)
+    return DraftPlan(spec_config.model, draft_layers)
 
 
 def num_speculative_tokens(vllm_config) -> int:
@@ -155,32 +177,41 @@ def wants_drafts(request: CachedRequest) -> bool:
 
 
 def _num_drafts(
-    request: CachedRequest, tokens: Sequence[int], k: int, max_model_len: int, gate: DraftGate
+    request: CachedRequest,
+    tokens: Sequence[int],
+    k: int,
+    max_model_len: int,
+    gate: DraftGate | None,
 ) -> int:
     """Drafts a request, whose tokens are now `tokens`, may take: none unless it `wants_drafts`
-    and its drafts have been paying (`gate`); never a position the verify step cannot compute
-    (past max_tokens or max_model_len)."""
-    if not gate.allows(request.req_id, tokens) or not wants_drafts(request):
+    and its drafts have been paying (`gate`; None: drafts that always pay); never a position the
+    verify step cannot compute (past max_tokens or max_model_len)."""
+    if gate is not None and not gate.allows(request.req_id, tokens):
+        return 0
+    if not wants_drafts(request):
         return 0
     remaining = request.max_tokens - len(request.output_token_ids)
     return max(0, min(k, remaining - 1, max_model_len - len(tokens)))
 
 
 class ModelDrafter:
-    """Greedy drafts from a model's programs (`runtime/draft.py`) for the requests that sampled
-    this step, all in one batch of passes, or none when the batch is wider than every verify
-    program (it would decode without them)."""
+    """Drafts from a model's programs (`runtime/draft.py`) for the requests that sampled this
+    step, all in one batch of passes, or none when the batch is wider than every verify
+    program (it would decode without them). Greedy, or under multi-step decoding (`exact`: the
+    whole target) sampled as each request samples, never gated, never verified."""
 
     def __init__(self, vllm_config, draft: ModelDraft, max_rows: int) -> None:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.draft = draft
+        self.exact = draft.is_exact
         self.max_rows = max_rows
-        self.gate = DraftGate(is_shared=True)
+        self.gate = None if self.exact else DraftGate(is_shared=True)
 
     def forget(self, req_id: str) -> None:
         self.draft.forget(req_id)
-        self.gate.forget(req_id)
+        if self.gate is not None:
+            self.gate.forget(req_id)
 
     def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
         from vllm.v1.outputs import DraftTokenIds
@@ -188,12 +219,20 @@ class ModelDrafter:
         rows = []
         for request in requests:
             tokens = request.all_token_ids
+            if self.exact and (
+                request.params.logprobs is not None or len(request.output_token_ids) < 2
+            ):
+                # Its drafts' logprobs would be lost: one token a step. Its first token goes
+                # out as soon as it is sampled (time to first token), drafting from the next.
+                continue
             n = _num_drafts(request, tokens, self.k, self.max_model_len, self.gate)
             if n and (self.draft.shares_kv or request.prompt_embeds is None):
-                rows.append(DraftRow(request.req_id, tokens, request.block_table, n))
+                params, seed = (request.sampling, request.seed) if self.exact else (GREEDY, 0)
+                rows.append(DraftRow(request.req_id, tokens, request.block_table, n, params, seed))
         drafts = self.draft.propose(rows) if len(rows) <= self.max_rows else {}
         for row in rows:
-            self.gate.drafted(row.req_id, len(row.tokens), drafts.get(row.req_id, ()))
+            if self.gate is not None:
+                self.gate.drafted(row.req_id, len(row.tokens), drafts.get(row.req_id, ()))
         return DraftTokenIds(
             [r.req_id for r in requests], [drafts.get(r.req_id, []) for r in requests]
         )

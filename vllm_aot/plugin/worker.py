@@ -222,8 +222,7 @@ class AotWorker(WorkerBase):
         else:
             draft_model = self.draft_loaded.build(self.model.kv.num_blocks)
             draft = ModelDraft(draft_model, num_layers=options.draft_layers, shares_kv=False)
-        max_rows = max(options.runtime.verify_batch_buckets, default=0)
-        return ModelDrafter(self.vllm_config, draft, max_rows)
+        return ModelDrafter(self.vllm_config, draft, options.max_draft_rows)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(

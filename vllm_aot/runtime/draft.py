@@ -1,17 +1,23 @@
-"""Drafts from a model for speculative decoding: greedy, one token a pass, on compiled programs.
+"""Drafts from a model for speculative decoding: one token a pass, on compiled programs.
 
 One loop serves both model-based methods. Each row's newest token (sampled, not yet in the
-target's cache) goes through the draft's layers, its head picks the first draft greedily, that
-draft goes in at the next position, and so on for up to k passes (a row stops at its own
+target's cache) goes through the draft's layers, its head picks the first draft, that draft
+goes in at the next position, and so on for up to k passes (a row stops at its own
 `num_drafts`, so rows near their end or max_model_len take fewer). A pass is a decode program
-at the rows' batch bucket; the head is the greedy head program. Greedy drafts are point masses,
-which the verify step's rejection sampling takes at any temperature (`runtime/verify.py`).
+at the rows' batch bucket and a head program. Drafts are greedy unless a row says how to
+sample: greedy drafts are point masses, which the verify step's rejection sampling takes at any
+temperature (`runtime/verify.py`).
 
 - **Self-speculation** (`shares_kv`): the draft is the target itself cut to its first
   `num_layers` layers, with its final norm and head. Those layers' K/V at every position the
   target has computed are the ones the draft would compute, so the draft reads the target's pool
   and writes its passes' K/V there (positions the next verify step writes again, every layer).
   Nothing to catch up: the first pass is always the newest token alone.
+- **The whole target** (`is_exact`: self-speculation with every layer), its rows sampled as
+  their requests sample (the same seed at the same position): each draft is the token the
+  target itself would decode there, so nothing needs verifying. A step that takes k of them
+  runs one decode pass over its last and returns k + 1 tokens: multi-step decoding, the
+  engine's work around a step shared by k + 1 tokens.
 - **A draft model** (its own weights, programs and pool, the target's block ids): the draft
   holds the K/V of the tokens it was fed (`_fed`), and before drafting takes in whatever of the
   request it has not seen, or saw with another value (a rejected draft), through its prefill
@@ -31,7 +37,7 @@ import torch
 
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.sampler import GREEDY
+from vllm_aot.runtime.sampler import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,13 @@ class DraftRow:
     tokens: Sequence[int]
     block_table: Sequence[int]
     num_drafts: int
+    params: SamplingParams = GREEDY  # how the drafts are sampled (normalised)
+    seed: int = 0
 
 
 class ModelDraft:
-    """Greedy drafts from `model`: the target's first `num_layers` layers (`shares_kv`), or a
-    draft model of its own (every layer, its own pool)."""
+    """Drafts from `model`: the target's first `num_layers` layers (`shares_kv`; all of them:
+    `is_exact`), or a draft model of its own (every layer, its own pool)."""
 
     def __init__(
         self, model: CompiledModel, *, num_layers: int | None = None, shares_kv: bool
@@ -58,12 +66,18 @@ class ModelDraft:
         self.shares_kv = shares_kv
         self._fed: dict[str, list[int]] = {}  # own pool: the tokens whose K/V it holds, in order
 
+    @property
+    def is_exact(self) -> bool:
+        """Whether the draft is the whole target: drafts sampled as the target samples are its
+        own tokens."""
+        return self.shares_kv and self.num_layers in (None, self.model.arch.num_layers)
+
     def forget(self, req_id: str) -> None:
         """Drop a request's draft state (finished, or resumed with fresh blocks)."""
         self._fed.pop(req_id, None)
 
     def propose(self, rows: Sequence[DraftRow]) -> dict[str, list[int]]:
-        """req_id -> the row's greedy drafts, `num_drafts` of them (rows asking none left out)."""
+        """req_id -> the row's drafts, `num_drafts` of them (rows asking none left out)."""
         rows = [r for r in rows if r.num_drafts > 0]
         drafts: dict[str, list[int]] = {}
         if not rows:
@@ -73,10 +87,11 @@ class ModelDraft:
         for step in range(1, max(r.num_drafts for r in rows)):
             live = [r for r in rows if r.num_drafts > step]
             tokens = self._pass(
+                live,
                 [
                     DecodeRow(drafts[r.req_id][-1], len(r.tokens) - 1 + step, r.block_table)
                     for r in live
-                ]
+                ],
             )
             for row, token in zip(live, tokens, strict=True):
                 drafts[row.req_id].append(token)
@@ -93,7 +108,7 @@ class ModelDraft:
         single = [r for r in rows if seen[r.req_id] == len(r.tokens) - 1]
         if single:
             newest = [DecodeRow(r.tokens[-1], len(r.tokens) - 1, r.block_table) for r in single]
-            for row, token in zip(single, self._pass(newest), strict=True):
+            for row, token in zip(single, self._pass(single, newest), strict=True):
                 first[row.req_id] = token
         for row in rows:
             if row.req_id not in first:
@@ -111,10 +126,13 @@ class ModelDraft:
             n += 1
         return n
 
-    def _pass(self, rows: Sequence[DecodeRow]) -> list[int]:
-        """One decode pass through the draft's layers and its greedy head: a token per row."""
-        hidden = self.model.forward_decode(rows, num_layers=self.num_layers)
-        sampling = [RowSampling(GREEDY, 0, r.position + 1) for r in rows]
+    def _pass(self, rows: Sequence[DraftRow], inputs: Sequence[DecodeRow]) -> list[int]:
+        """One decode pass through the draft's layers and its head: a token per row, sampled
+        as the row says."""
+        hidden = self.model.forward_decode(inputs, num_layers=self.num_layers)
+        sampling = [
+            RowSampling(r.params, r.seed, i.position + 1) for r, i in zip(rows, inputs, strict=True)
+        ]
         return self.model.sample(hidden, sampling).tokens.tolist()
 
     def _catch_up(self, row: DraftRow, start: int) -> int:
@@ -128,7 +146,7 @@ class ModelDraft:
             chunk = PrefillChunk(piece, begin, row.block_table)
             hidden = self.model.forward_prefill([chunk]).last
         assert hidden is not None
-        sampled = self.model.sample(hidden, [RowSampling(GREEDY, 0, end)])
+        sampled = self.model.sample(hidden, [RowSampling(row.params, row.seed, end)])
         return int(sampled.tokens[0])
 
 

@@ -12,7 +12,13 @@ import json
 from pathlib import Path
 
 from vllm_aot.runtime.config import KV_CACHE_ALIASES
-from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value, speculative_tokens
+from vllm_aot.serve.settings import (
+    RegistryPick,
+    ShapeFlags,
+    asks_multi_step,
+    flag_value,
+    speculative_tokens,
+)
 
 DEFAULT_DTYPE = "bfloat16"  # vLLM's "auto" on a CPU for float32 and bfloat16 checkpoints
 _INT_FLAGS = {
@@ -73,6 +79,8 @@ def pick_from_registry(
     limit = declared_max_len(model_dir) or arch.max_position_embeddings
     entries = [e for e in entries if e.runtime["max_model_len"] <= limit]
     requested = requested_shapes(flags, passthrough)
+    if asks_multi_step(passthrough, str(model_dir), arch.num_layers):
+        requested["num_speculative_tokens"] = 0  # no verify programs
     entry, why = select_configuration(entries, requested, num_cores=cores_per_replica)
     if entry is None:
         return None, f"{why}; defaults apply (compiled on first start unless --require-cached)"
