@@ -270,22 +270,16 @@ def prepare_sampling(
     for i, row in enumerate(rows):
         if row.vocab_mask is not None:
             masks[i] = row.vocab_mask.numpy()
-    temperature, top_k, top_p, min_p, seeds, positions = _tensors(
-        np.array([p.temperature for p in params] + [1.0] * pad, dtype=np.float32),
-        np.array([p.top_k for p in params] + [1] * pad, dtype=np.int64),
-        np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32),
-        np.array([p.min_p for p in params] + [0.0] * pad, dtype=np.float32),
-        np.array([r.seed % (1 << 63) for r in rows] + [0] * pad, dtype=np.int64),
-        np.array([r.position for r in rows] + [0] * pad, dtype=np.int64),
-    )
-    return SamplingTensors(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seeds=seeds,
-        positions=positions,
-        vocab_mask=torch.from_numpy(masks),
+    return SamplingTensors(  # in its fields' order
+        *_tensors(
+            np.array([p.temperature for p in params] + [1.0] * pad, dtype=np.float32),
+            np.array([p.top_k for p in params] + [1] * pad, dtype=np.int64),
+            np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32),
+            np.array([p.min_p for p in params] + [0.0] * pad, dtype=np.float32),
+            np.array([r.seed % (1 << 63) for r in rows] + [0] * pad, dtype=np.int64),
+            np.array([r.position for r in rows] + [0] * pad, dtype=np.int64),
+            masks,
+        )
     )
 
 
