@@ -141,11 +141,12 @@ def test_ngram_greedy_text_is_byte_identical_on_the_tiny_model(tiny_model_dirs, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("method", ["ngram", "self", "multi-step"])
 def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path, method):
     """The end-to-end chat prompts and the copy-heavy set, SmolLM2 in float32: n-gram drafts,
-    and the first 24 of its 30 layers drafting for it (fewer agree with the whole too rarely
-    for a draft to be accepted before the gate stops them: docs/benchmarks.md)."""
+    the first 24 of its 30 layers drafting for it (fewer agree with the whole too rarely for a
+    draft to be accepted before the gate stops them: docs/benchmarks.md), and all 30
+    (multi-step decoding: requests ending at their EOS mid-step)."""
     from vllm_aot.accuracy.prompts import CHAT_PROMPTS
 
     prompts = [*CHAT_PROMPTS, *COPY_PROMPTS]
@@ -153,6 +154,13 @@ def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path, m
         _check_identical(default_model_dir, prompts, 64, tmp_path)
         return
     spec = _self_draft(default_model_dir)
+    if method == "multi-step":
+        with _server(default_model_dir, None, tmp_path / "plain.log") as url:
+            expected = {s: _texts(url, prompts, 64, s) for s in (1, 8)}
+        additional = {"draft_layers": "all"}
+        with _server(default_model_dir, spec, tmp_path / "ms.log", additional=additional) as url:
+            assert {s: _texts(url, prompts, 64, s) for s in (1, 8)} == expected
+        return
     additional = {"draft_layers": 24}
     _check_identical(default_model_dir, prompts, 64, tmp_path, spec=spec, additional=additional)
 
