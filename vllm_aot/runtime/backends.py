@@ -66,10 +66,11 @@ def _load_runner(path: Path):
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
         libraries = [n for n in names if n.endswith(".so")]
-        if len(libraries) != 1 or any("/data/constants/" in n for n in names):
+        constants = [n for n in names if "/data/constants/" in n]
+        if len(libraries) != 1 or constants:
             raise RuntimeError(
                 f"{path}: not one of our programs (one model library, constants compiled in); "
-                f"it holds {len(libraries)} libraries"
+                f"it holds {len(libraries)} libraries and {len(constants)} constants files"
             )
         stem = libraries[0].removesuffix(".so")
         with tempfile.TemporaryDirectory(prefix="vllm-aot-program-") as scratch:
