@@ -164,7 +164,7 @@ def test_the_whole_model_as_its_own_draft_is_multi_step_decoding(tiny_model_dirs
     configuration from the registry (the same programs)."""
     from vllm_aot.plugin.options import AotOptions
     from vllm_aot.plugin.spec_decode import DraftPlan, draft_plan
-    from vllm_aot.serve.settings import asks_multi_step
+    from vllm_aot.serve.selection import asks_multi_step
 
     model_dir = str(tiny_model_dirs("llama"))
     spec = SimpleNamespace(

@@ -100,8 +100,18 @@ def is_self_draft(spec_config) -> bool:
     """Whether `method: draft_model` names the target itself: self-speculation."""
     if spec_config is None or spec_config.method != "draft_model":
         return False
-    draft, target = spec_config.model, spec_config.target_model_config.model
-    return draft == target or os.path.realpath(draft) == os.path.realpath(target)
+    return names_target(spec_config.model, spec_config.target_model_config.model)
+
+
+def names_target(draft: str | None, target: str) -> bool:
+    """Whether a draft model's path (None: none given) is the target itself."""
+    return draft is None or draft == target or os.path.realpath(draft) == os.path.realpath(target)
+
+
+def is_multi_step(is_self: bool, draft_layers: int | str | None, total: int) -> bool:
+    """The multi-step rule, stated once (`vllm-aot serve` asks it of a command line too): the
+    target drafts for itself with its every layer (`draft_layers` "all" or its layer count)."""
+    return is_self and draft_layers in ("all", total)
 
 
 class DraftPlan(NamedTuple):
@@ -133,7 +143,7 @@ def draft_plan(spec_config, draft_layers: int | str | None) -> DraftPlan:
     if draft_layers is not None and not 1 <= draft_layers <= total:
         raise ValueError(f"draft_layers {draft_layers} (supported: 1..{total}, the draft's layers)")
     if is_self:
-        return DraftPlan(None, draft_layers, multi_step=draft_layers == total)
+        return DraftPlan(None, draft_layers, multi_step=is_multi_step(True, draft_layers, total))
     return DraftPlan(spec_config.model, draft_layers)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 # serve flag -> (the vLLM flag that carries it, the RuntimeConfig/manifest field it fixes)
@@ -146,18 +145,6 @@ def speculative_tokens(passthrough: tuple[str, ...]) -> int:
     """Drafts per step `--speculative-config` asks for (0 without it): the verify programs'."""
     text = flag_value(passthrough, "--speculative-config")
     return int(json.loads(text).get("num_speculative_tokens") or 0) if text else 0
-
-
-def asks_multi_step(passthrough: tuple[str, ...], model_dir: str, num_layers: int) -> bool:
-    """Whether the command line asks multi-step decoding: `method: draft_model` naming the
-    served model (or none) with `draft_layers` its every layer (`plugin/spec_decode.py`), whose
-    programs are those of no speculative decoding."""
-    spec = json.loads(flag_value(passthrough, "--speculative-config") or "{}")
-    extra = json.loads(flag_value(passthrough, "--additional-config") or "{}")
-    model = spec.get("model")
-    is_self = model is None or Path(model).resolve() == Path(model_dir).resolve()
-    every_layer = extra.get("draft_layers") in ("all", num_layers)
-    return spec.get("method") == "draft_model" and is_self and every_layer
 
 
 def with_self_draft(passthrough: tuple[str, ...], model_dir: str) -> tuple[str, ...]:
