@@ -15,7 +15,7 @@ import torch
 from tests.helpers import tiny_config
 from vllm_aot.cache.keys import cpu_target
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
-from vllm_aot.kernels import program_kernels
+from vllm_aot.kernels import kernels_enabled, program_kernels
 from vllm_aot.loading.artifacts import (
     MANIFEST_NAME,
     ArtifactMismatchError,
@@ -203,6 +203,49 @@ def test_a_killed_process_leaves_nothing_of_its_programs_in_the_temporary_direct
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     assert not list(scratch.iterdir())
+
+
+@pytest.mark.skipif(not kernels_enabled(), reason="torch's binding of the runner holds the GIL")
+def test_other_python_threads_run_while_a_program_runs(exported):
+    """A server's engine schedules and streams on one Python thread while its step thread runs
+    the programs: a program call must let the GIL go (torch's own binding of the runner holds
+    it for the whole call). Python's forced switches are put off (a switch interval of a
+    second) so the GIL changes hands only where a thread lets it go: the busy thread at each
+    sleep(0), the step thread inside its calls or nowhere."""
+    import bisect
+    import threading
+    import time
+
+    from vllm_aot.runtime.programs import ProgramKind, example_inputs
+
+    out, _ = exported
+    model, _ = load_model(out)
+    key = next(k for k in model.programs if k.kind is ProgramKind.PREFILL)
+    program, args = model.programs[key], list(example_inputs(key, model.arch, model.config))
+    calls: list[tuple[float, float]] = []
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def step_thread():
+        for _ in range(20):
+            start = time.perf_counter()
+            program(*args)
+            calls.append((start, time.perf_counter()))
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        thread = threading.Thread(target=step_thread)
+        thread.start()
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0)
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    inside = sum(bisect.bisect_left(ticks, e) - bisect.bisect_right(ticks, s) for s, e in calls)
+    assert inside > 0, f"no Python ran during {len(calls)} program calls"
 
 
 def test_an_incomplete_export_is_not_loadable(exported, tmp_path):

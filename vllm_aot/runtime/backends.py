@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from vllm_aot.kernels import load_used
+from vllm_aot.kernels import load_used, program_runner
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, build_module
@@ -39,7 +39,10 @@ class CompiledProgram:
     which a server's killed engine never does (every start left its programs behind, ~1.8 MB
     each). Ours extracts the one library the archive holds (its constants are compiled into
     it: programs take their weights as inputs) and the files beside it into a directory of its
-    own, loads it and removes the directory at once; the mapped library outlives its file.
+    own, loads it and removes the directory at once; the mapped library outlives its file. It
+    runs through the kernels library's runner, which lets the GIL go for the call: torch's
+    binding holds it, and a server's other Python threads (the next step's schedule, the last
+    one's outputs) stood still while a step ran, then stopped the step when they got it.
 
     Our programs take and return flat tuples of tensors, so torch's generic call (two tree-spec
     parses, a flatten and an unflatten, ~13 us) is skipped: 31 calls a decode step. The
@@ -77,7 +80,11 @@ def _load_runner(path: Path):
             # The runner reads the library's calls to our ops from the JSON beside it.
             for name in (n for n in names if n.startswith(stem)):
                 archive.extract(name, scratch)
-            return torch._C._aoti.AOTIModelContainerRunnerCpu(f"{scratch}/{libraries[0]}", 1)
+            library = f"{scratch}/{libraries[0]}"
+            runner = program_runner(library)  # lets the GIL go while a program runs
+            if runner is None:  # kernels off: torch's binding, which holds the GIL
+                runner = torch._C._aoti.AOTIModelContainerRunnerCpu(library, 1)
+            return runner
 
 
 def load_program(path: Path, config: RuntimeConfig) -> Program:
