@@ -167,30 +167,36 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_
 }
 
 // Group g of the tile's rows (their codes from `rows`, their block scales `d` spread over the
-// group's lanes) against activation rows 0 .. B, into acc.
+// group's lanes) against activation rows 0 .. B, into acc. The tile's codes come first (two
+// registers a row), then each activation row's four vectors and its scales are loaded once for
+// all the tile's rows (loaded once a weight row, they were a third of the loop's instructions),
+// and the low bytes' sums start from the high bytes' shifted by 7: 128 h + l with no add.
+// (Single thread, SmolLM2's q4_1 [3072, 576] in L2: 8 rows 457 -> 400 us, one row 67 -> 61.)
 template <class F, int B, int R, bool kWhole>
 VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows)[R],
                                                      int64_t ahead, int64_t g, int64_t left,
                                                      const __m512 (&d)[R], const Arranged& x,
                                                      __m512 (&acc)[B][R]) {
+  __m512i lo[R], hi[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
       prefetch_line(rows[r] + ahead + kGroupBytes<F> * g + line);
-    __m512i lo, hi;
-    group_codes<F, kWhole>(rows[r], g, left, lo, hi);
+    group_codes<F, kWhole>(rows[r], g, left, lo[r], hi[r]);
+  }
 #pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) {
-      const int8_t* q = x.q + (b * x.groups + g) * 256;
-      const __m512i zero = _mm512_setzero_si512();
-      const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q)),
-                                            hi, _mm512_loadu_si512(q + 128));
-      const __m512i l =
-          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q + 64)), hi,
-                              _mm512_loadu_si512(q + 192));
-      const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
-      const __m512 s = _mm512_loadu_ps(x.scales + (b * x.groups + g) * 16);
-      acc[b][r] = _mm512_fmadd_ps(t, _mm512_mul_ps(d[r], s), acc[b][r]);
+  for (int b = 0; b < B; ++b) {
+    const int8_t* q = x.q + (b * x.groups + g) * 256;
+    const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 64);
+    const __m512i q2 = _mm512_loadu_si512(q + 128), q3 = _mm512_loadu_si512(q + 192);
+    const __m512 s = _mm512_loadu_ps(x.scales + (b * x.groups + g) * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i h = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], q0), hi[r], q2);
+      const __m512i hl = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 7), lo[r], q1), hi[r], q3);
+      acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hl), _mm512_mul_ps(d[r], s), acc[b][r]);
     }
   }
 }
