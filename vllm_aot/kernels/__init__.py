@@ -44,10 +44,8 @@
   row (greedy, or temperature, min-p, top-k, top-p and the seeded exponential race), where the
   sampler's pure-torch version (`runtime.sampler.draw_tokens`, the reference) builds every row's
   mask, probabilities and uniforms as [rows, vocab] tensors, its hash in int64.
-- `ProgramRunner(library)` (`program_runner.cpp`, not an op: the library is a Python extension
-  module too, `program_runner()`): a compiled program's model library run through AOTInductor's
-  runner with the GIL let go for the call, where torch's binding of the same runner holds it, so
-  the engine's other Python threads move while a step's programs run.
+- `ProgramRunner` (`program_runner.cpp`, not an op; `runner.py`): a compiled program run with the
+  GIL let go (torch's binding of AOTInductor's runner holds it).
 
 Which implementation a program calls is fixed when it is compiled (`program_kernels`, part of
 its cache key): the linear's from its weight format's choice for this CPU (`models/formats.py`
@@ -83,7 +81,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -377,26 +374,6 @@ def _build() -> None:
     logger.info(
         "vllm-aot kernels: built in %.1f s into %s", time.perf_counter() - start, library_dir()
     )
-
-
-def program_runner(library: str):
-    """AOTInductor's runner for a compiled program's model library (`library`, a `.so` path)
-    whose `run(inputs)` lets the GIL go (`program_runner.cpp`), or None where kernels are off."""
-    if not kernels_enabled():
-        return None
-    return _extension_module().ProgramRunner(library)
-
-
-@functools.cache
-def _extension_module():
-    """The loaded library as the Python extension module it also is (its file is already
-    mapped, so importing it runs only the module's initialisation)."""
-    load()
-    path = library_dir() / LIBRARY_FILE
-    spec = importlib.util.spec_from_file_location(_LIBRARY, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache
