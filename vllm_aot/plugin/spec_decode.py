@@ -214,9 +214,13 @@ class ModelDrafter:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.draft = draft
-        self.exact = draft.is_exact
         self.max_rows = max_rows
         self.gate = None if self.exact else DraftGate(is_shared=True)
+
+    @property
+    def exact(self) -> bool:
+        """Multi-step decoding: the draft is the whole target (`ModelDraft.is_exact`)."""
+        return self.draft.is_exact
 
     def forget(self, req_id: str) -> None:
         self.draft.forget(req_id)

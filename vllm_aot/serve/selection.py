@@ -13,12 +13,7 @@ from pathlib import Path
 
 from vllm_aot.plugin.spec_decode import is_multi_step, names_target
 from vllm_aot.runtime.config import KV_CACHE_ALIASES
-from vllm_aot.serve.settings import (
-    RegistryPick,
-    ShapeFlags,
-    flag_value,
-    speculative_tokens,
-)
+from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value, speculative_tokens
 
 DEFAULT_DTYPE = "bfloat16"  # vLLM's "auto" on a CPU for float32 and bfloat16 checkpoints
 _INT_FLAGS = {
