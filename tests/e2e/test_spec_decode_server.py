@@ -216,7 +216,9 @@ def test_multi_step_decoding_gives_the_plain_servers_text_and_samples(tiny_model
     spec = _self_draft(model_dir)
     with _server(model_dir, spec, tmp_path / "ms.log", additional=additional) as url:
         assert observe(url) == expected
-        counters = _wait_counters(url, "vllm:spec_decode_num_accepted_tokens_total", 1)
+        _wait_counters(url, "vllm:spec_decode_num_accepted_tokens_total", 1)
+        # Our program counters reach /metrics through the engine's stats file, after vLLM's.
+        counters = _wait_counters(url, "decode", 1)
     assert expected["stopped"]["finish_reason"] == "stop"
     drafted = counters["vllm:spec_decode_num_draft_tokens_total"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
