@@ -1,8 +1,7 @@
 """The steps `runtime/policy.py` takes for given arrivals, on hand-built requests (no model, no
 vLLM): the trace every driver of the policy (the generate loop, AotScheduler) must reproduce.
 
-A trace step is ("prefill", ((req_id, tokens computed), ...)) in release order, or ("decode",
-sorted ids of its rows).
+A trace step is ("prefill", req_id, tokens computed) or ("decode", sorted ids of its rows).
 Requests advance the way every driver advances them: a step that reaches the end of a request's
 known tokens samples one token; a request finishes at max_tokens or max_model_len.
 """
@@ -21,7 +20,7 @@ MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
 CHUNK = 64  # max_num_batched_tokens
 
-TraceStep = tuple  # ("prefill", ((req_id, num_tokens), ...)) | ("decode", tuple of req_ids)
+TraceStep = tuple  # ("prefill", req_id, num_tokens) | ("decode", tuple of req_ids)
 
 
 def limits(num_kv_blocks: int) -> Limits:
@@ -96,7 +95,7 @@ def simulate(arrivals: Sequence[Arrival], num_kv_blocks: int) -> list[TraceStep]
             waiting.append(View(a.req_id, a.num_prompt_tokens, a.max_tokens))
         step = policy.schedule(running, waiting, lim)
         if step.kind is StepKind.RELEASE:
-            running += [waiting.popleft() for _ in step.requests]
+            running.append(waiting.popleft())
         trace.append(_advance(step, lim))
         running = [r for r in running if not r.is_finished]
     return trace
@@ -113,18 +112,14 @@ def _advance(step: policy.Step[View], lim: Limits) -> TraceStep:
             request.num_computed_tokens += 1
             request.num_output_tokens += 1
         return ("decode", tuple(sorted(r.req_id for r in step.requests)))
-    chunks = []
-    for request in step.requests:
-        chunk = policy.next_chunk(request, lim)
-        request.num_computed_tokens = chunk.stop
-        if chunk.stop == request.num_tokens:
-            request.num_output_tokens += 1
-        chunks.append((request.req_id, len(chunk)))
-    return ("prefill", tuple(chunks))
+    (request,) = step.requests
+    chunk = policy.next_chunk(request, lim)
+    request.num_computed_tokens = chunk.stop
+    if chunk.stop == request.num_tokens:
+        request.num_output_tokens += 1
+    return ("prefill", request.req_id, len(chunk))
 
 
 def shapes(trace: Sequence[TraceStep]) -> list[tuple[str, int]]:
     """("prefill", tokens) or ("decode", rows) per step: what a driver without ids shows."""
-    return [
-        (s[0], sum(n for _, n in s[1])) if s[0] == "prefill" else (s[0], len(s[1])) for s in trace
-    ]
+    return [(s[0], s[2]) if s[0] == "prefill" else (s[0], len(s[1])) for s in trace]

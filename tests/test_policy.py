@@ -74,7 +74,7 @@ def test_a_prompt_in_flight_runs_alone_before_releases_and_decodes():
     assert (step.kind, step.requests) == (StepKind.PREFILL, (prompt,))
 
 
-def test_the_oldest_waiting_request_is_released_or_all_running_decode():
+def test_the_oldest_waiting_request_is_released_alone_or_all_running_decode():
     running = [view("A", 20, 100, computed=20, outputs=1)]
     big, small = view("B", 20, 220), view("C", 10, 2)  # B's 15 blocks do not fit beside A's 8
     step = policy.schedule(running, [small, big], LIMITS)
@@ -85,38 +85,25 @@ def test_the_oldest_waiting_request_is_released_or_all_running_decode():
     assert policy.schedule([], [], LIMITS).requests == ()
 
 
-def test_waiting_prompts_that_fit_one_chunk_start_together_in_arrival_order():
+def test_waiting_requests_start_in_arrival_order_one_per_step():
     trace = simulate_scenario("fifo")
-    assert trace[:2] == [
-        ("prefill", (("A", 10), ("B", 10), ("C", 10))),
+    assert trace[:4] == [
+        ("prefill", "A", 10),
+        ("prefill", "B", 10),
+        ("prefill", "C", 10),
         ("decode", ("A", "B", "C")),
     ]
-
-
-def test_release_packs_whole_prompts_up_to_the_chunk_in_order():
-    w = [view("A", 30), view("B", 30), view("C", 10)]
-    assert policy.release([], w, LIMITS) == (w[0], w[1])  # 60 of 64: C's 10 do not fit
-    w = [view("A", 30), view("B", 40), view("C", 4)]
-    assert policy.release([], w, LIMITS) == (w[0],)  # B holds C back: arrival order
-    w = [view("A", 64), view("B", 1)]
-    assert policy.release([], w, LIMITS) == (w[0],)  # the chunk is full
-    w = [view("A", 100), view("B", 1)]
-    assert policy.release([], w, LIMITS) == (w[0],)  # a long prompt starts alone, chunked
-    w = [view("A", 20, 100), view("B", 20, 140), view("C", 20, 140)]  # 8, 10, 10 of 20 blocks
-    assert policy.release([], w, LIMITS) == (w[0], w[1])  # C's worst case does not fit
-    w = [view(str(i), 1, 1) for i in range(6)]
-    assert len(policy.release([view("R", computed=10, outputs=1)], w, LIMITS)) == 3  # 4 rows
 
 
 def test_one_prompt_at_a_time_chunk_by_chunk():
     trace = simulate_scenario("chunked")
     assert trace[:7] == [
-        ("prefill", (("A", 64),)),
-        ("prefill", (("A", 64),)),
-        ("prefill", (("A", 22),)),
-        ("prefill", (("B", 64),)),
-        ("prefill", (("B", 64),)),
-        ("prefill", (("B", 22),)),
+        ("prefill", "A", 64),
+        ("prefill", "A", 64),
+        ("prefill", "A", 22),
+        ("prefill", "B", 64),
+        ("prefill", "B", 64),
+        ("prefill", "B", 22),
         ("decode", ("A", "B")),
     ]
 
@@ -124,29 +111,27 @@ def test_one_prompt_at_a_time_chunk_by_chunk():
 def test_the_last_prompt_token_runs_alone_as_a_prefill():
     trace = simulate_scenario("late_prompt")
     assert trace[:4] == [
-        ("prefill", (("D", 10),)),
-        ("prefill", (("P", 64),)),
-        ("prefill", (("P", 1),)),
+        ("prefill", "D", 10),
+        ("prefill", "P", 64),
+        ("prefill", "P", 1),
         ("decode", ("D", "P")),
     ]
 
 
 def test_a_request_waits_until_its_worst_case_fits():
     trace = simulate_scenario("worst_case")
-    assert trace[0] == ("prefill", (("A", 20), ("B", 20)))
     last_a = max(i for i, s in enumerate(trace) if s[0] == "decode" and "A" in s[1])
-    c_start = trace.index(("prefill", (("C", 20),)))
+    c_start = trace.index(("prefill", "C", 20))
     assert c_start == last_a + 1
     # Meanwhile A and B decode on their own, though C's prompt alone would fit the free blocks.
-    assert set(trace[1:c_start]) == {("decode", ("A", "B"))}
+    assert set(trace[2:c_start]) == {("decode", ("A", "B"))}
 
 
 def test_at_most_max_num_seqs_rows_run():
     trace = simulate_scenario("max_num_seqs")
-    assert trace[0] == ("prefill", tuple((f"r{i}", 10) for i in range(4)))
     assert max(len(s[1]) for s in trace if s[0] == "decode") == 4
     r0_last = max(i for i, s in enumerate(trace) if s[0] == "decode" and "r0" in s[1])
-    assert trace[r0_last + 1] == ("prefill", (("r4", 10),))
+    assert trace[r0_last + 1] == ("prefill", "r4", 10)
 
 
 class _Recording:

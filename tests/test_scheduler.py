@@ -124,11 +124,13 @@ def run_all(scheduler: AotScheduler, max_steps: int = 1000) -> list[Step]:
 def assert_never_mixed(steps: list[Step]) -> None:
     for i, step in enumerate(steps):
         assert not (step.prefill and step.decode), f"step {i} mixes {step.prefill} {step.decode}"
+        assert len(step.prefill) <= 1, f"step {i} runs several prefills: {step.prefill}"
 
 
 def trace_of(step: Step) -> TraceStep:
     if step.prefill:
-        return ("prefill", tuple((r, step.output.num_scheduled_tokens[r]) for r in step.prefill))
+        (req_id,) = step.prefill
+        return ("prefill", req_id, step.output.num_scheduled_tokens[req_id])
     return ("decode", tuple(sorted(step.decode)))
 
 

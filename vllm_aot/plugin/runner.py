@@ -239,7 +239,7 @@ class AotModelRunner:
         return ScheduledRow(request, request.num_computed_tokens, num_tokens - num_padding, real)
 
     def _run_layers(self, rows: Sequence[ScheduledRow]) -> LayerOutput:
-        """The step's layer programs: the prefill chunks, or every row's decode."""
+        """The step's layer programs: the one prefill chunk, or every row's decode."""
         num_decode = sum(r.is_decode for r in rows)
         assert num_decode in (0, len(rows)), (
             f"mixed step: {num_decode} decode and {len(rows) - num_decode} prefill rows; "
@@ -251,20 +251,22 @@ class AotModelRunner:
         if num_decode:
             decode_rows = [r.decode_row() for r in rows]
             return LayerOutput(tuple(rows), self.model.forward_decode(decode_rows))
-        prefill = self.model.forward_prefill(self._prefill_chunks(rows))
+        prefill = self.model.forward_prefill([self._prefill_chunk(rows)])
         return LayerOutput(tuple(rows), prefill.last, prefill.tokens)
 
-    def _prefill_chunks(self, rows: Sequence[ScheduledRow]) -> list[PrefillChunk]:
-        """A prefill step's chunks, packed in one program: AotScheduler schedules a prompt's
-        chunk alone, or whole prompts released together, within max_num_batched_tokens."""
-        chunks = [r.request.prefill_chunk(range(r.start, r.start + r.num_tokens)) for r in rows]
-        assert prefill_key(chunks, self.model.config) is not None, (
-            f"a prefill step of {len(chunks)} chunks, {sum(r.num_tokens for r in rows)} tokens "
-            f"after {sum(r.start for r in rows)} cached, fits no prefill program; "
-            "max_num_batched_tokens must be the largest prefill bucket "
-            f"({max(self.model.config.prefill_token_buckets)})"
+    def _prefill_chunk(self, rows: Sequence[ScheduledRow]) -> PrefillChunk:
+        """A prefill step's one chunk: AotScheduler schedules one that fits a prefill program."""
+        assert len(rows) == 1, (
+            f"prefill step of {len(rows)} requests; AotScheduler runs one prompt chunk per step"
         )
-        return chunks
+        (row,) = rows
+        chunk = row.request.prefill_chunk(range(row.start, row.start + row.num_tokens))
+        assert prefill_key([chunk], self.model.config) is not None, (
+            f"request {row.request.req_id}'s chunk of {row.num_tokens} tokens after "
+            f"{row.start} cached fits no prefill program; max_num_batched_tokens must be the "
+            f"largest prefill bucket ({max(self.model.config.prefill_token_buckets)})"
+        )
+        return chunk
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         """Head programs (with structured-output masks), host-side processing, runner output."""

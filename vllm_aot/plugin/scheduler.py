@@ -2,12 +2,11 @@
 
 vLLM's scheduler mixes decodes, prefill chunks and new requests in one step; a static-shape
 backend runs prefill and decode as different programs, so each step here is what the policy
-picks: a prompt in flight alone, one chunk; else the oldest ready waiting request released if
-admission (rows and worst-case KV blocks) allows it, with the ready ones behind it whose whole
-prompts fit the same step (one prefill program); else every running request decoding.
-vLLM's `Request` is the policy's `RequestView` as it is. With speculative decoding a decode row
-carries its drafts (vLLM's scheduler adds them), unless the batch is wider than every verify
-program; admission counts the drafts a request's last step may write.
+picks: a prompt in flight alone, one chunk; else the oldest ready waiting request released
+alone if admission (rows and worst-case KV blocks) allows it; else every running request
+decoding. vLLM's `Request` is the policy's `RequestView` as it is. With speculative decoding
+a decode row carries its drafts (vLLM's scheduler adds them), unless the batch is wider than
+every verify program; admission counts the drafts a request's last step may write.
 
 This adapter owns what is vLLM's: which waiting requests are ready (grammar compiled), and
 making `super().schedule()` build the chosen step. Requests are held in vLLM's own waiting queue,
@@ -108,9 +107,8 @@ class AotScheduler(ReportingScheduler):
         ready = [r for r in waiting if is_ready(r)]
         step = policy.schedule(self.running, ready, self.limits)
         is_release = step.kind is StepKind.RELEASE
-        active = [] if is_release else list(step.requests)  # released ones are still waiting
-        released = step.requests if is_release else ()
-        held = [r for r in waiting if not any(r is s for s in released)]
+        active = [] if is_release else list(step.requests)  # a released one is still waiting
+        held = [r for r in waiting if not (is_release and r is step.requests[0])]
         set_aside = [r for r in self.running if not any(r is a for a in active)]
 
         if step.kind is StepKind.DECODE and len(active) > self.max_verify_rows:
@@ -127,7 +125,7 @@ class AotScheduler(ReportingScheduler):
         is_prefill = step.kind is not StepKind.DECODE
         prefill_ids = {r.request_id for r in step.requests} if is_prefill else set()
         scheduled = set(output.num_scheduled_tokens)
-        assert not scheduled & prefill_ids or scheduled <= prefill_ids, (
+        assert not scheduled & prefill_ids or len(scheduled) == 1, (
             f"AotScheduler built a mixed step: prefill {scheduled & prefill_ids}, "
             f"decode {scheduled - prefill_ids}"
         )

@@ -96,18 +96,14 @@ class Generator:
             for state in step.requests:
                 state.num_computed_tokens += 1
             return [(state, out, row) for row, state in enumerate(step.requests)]
-        spans = [policy.next_chunk(state, self.limits) for state in step.requests]
+        (state,) = step.requests
+        positions = policy.next_chunk(state, self.limits)
         out = self.model.prefill(
-            [s.prefill_chunk(p) for s, p in zip(step.requests, spans, strict=True)],
-            [s.row_sampling(p.stop) for s, p in zip(step.requests, spans, strict=True)],
+            [state.prefill_chunk(positions)], [state.row_sampling(positions.stop)]
         )
-        sampled = []
-        for row, (state, positions) in enumerate(zip(step.requests, spans, strict=True)):
-            state.num_computed_tokens = positions.stop
-            # A chunk that does not reach the end of the prompt samples nothing.
-            if positions.stop == state.num_tokens:
-                sampled.append((state, out, row))
-        return sampled
+        state.num_computed_tokens = positions.stop
+        # A chunk that does not reach the end of the prompt samples nothing.
+        return [(state, out, 0)] if positions.stop == state.num_tokens else []
 
     def _append(
         self,

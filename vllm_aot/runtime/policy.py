@@ -4,16 +4,9 @@ A static-shape backend runs prefill and decode as different programs, so a step 
 other, never mixed:
 
 - a prompt in flight (`is_prefilling`) runs alone, one chunk per step (`next_chunk`);
-- otherwise the oldest waiting request is released if `can_admit` allows it, with the requests
-  behind it, in order, while each is admitted and its whole prompt fits the step's chunk beside
-  the others' (`release`); their prompts (or the first chunk of a prompt as long as a chunk,
-  released alone) are the step, packed in one prefill program;
+- otherwise the oldest waiting request is released, alone, if `can_admit` allows it; its first
+  chunk is the step;
 - otherwise every running request decodes one token (no request running: an empty step).
-
-Packing pays on a CPU: a prefill program's cost has a large part that does not grow with its
-tokens (each quantised weight dequantised once a call; a GEMM of few rows runs below its peak),
-so four 128-token prompts in one step take ~0.67x of four steps (SmolLM2 Q4_1 on a Zen 4), and
-the last of them starts decoding sooner.
 
 Admission is by worst case, so nothing is ever preempted: fewer than `max_num_seqs` rows run,
 and the KV blocks of every running request's worst case plus the candidate's fit the pool.
@@ -81,14 +74,14 @@ class Limits:
 
 class StepKind(Enum):
     PREFILL = "prefill"  # the next chunk of the one prompt in flight
-    RELEASE = "release"  # waiting requests start running (`release`): their prompts in one step
+    RELEASE = "release"  # the oldest waiting request starts running: its first chunk
     DECODE = "decode"  # one token for every running request
 
 
 @dataclass(frozen=True)
 class Step(Generic[R]):
     kind: StepKind
-    requests: tuple[R, ...]  # PREFILL: the one request; RELEASE: those released; DECODE: all
+    requests: tuple[R, ...]  # PREFILL, RELEASE: the one request; DECODE: every running one
 
 
 def is_prefilling(request: RequestView) -> bool:
@@ -127,30 +120,11 @@ def can_admit(candidate: RequestView, running: Sequence[RequestView], limits: Li
     return reserved + worst_case_blocks(candidate, limits) <= limits.num_usable_blocks
 
 
-def release(running: Sequence[R], waiting: Sequence[R], limits: Limits) -> tuple[R, ...]:
-    """The waiting requests that start now, oldest first: the oldest if admitted, then each next
-    one while it is admitted beside those and its whole prompt fits what is left of the step's
-    chunk (`max_num_batched_tokens`). A prompt longer than the chunk starts alone, chunked; a
-    request that does not fit holds back the ones behind it."""
-    released: list[R] = []
-    room = limits.max_num_batched_tokens
-    for candidate in waiting:
-        size = candidate.num_tokens - candidate.num_computed_tokens
-        if (released and size > room) or not can_admit(candidate, [*running, *released], limits):
-            break
-        released.append(candidate)
-        room -= size
-        if room <= 0:
-            break
-    return tuple(released)
-
-
 def schedule(running: Sequence[R], waiting: Sequence[R], limits: Limits) -> Step[R]:
     """The next step. `waiting`: the requests that could start now, in arrival order."""
     prefilling = [r for r in running if is_prefilling(r)]
     if prefilling:
         return Step(StepKind.PREFILL, (prefilling[0],))
-    released = release(running, waiting, limits)
-    if released:
-        return Step(StepKind.RELEASE, released)
+    if waiting and can_admit(waiting[0], running, limits):
+        return Step(StepKind.RELEASE, (waiting[0],))
     return Step(StepKind.DECODE, tuple(running))

@@ -35,11 +35,10 @@ class Scheduler:
         its whole worst case at once, so it never needs more later."""
         step = policy.schedule(self.running, self.waiting, self.limits)
         if step.kind is StepKind.RELEASE:
-            for state in step.requests:  # the oldest waiting ones, in order
-                assert self.waiting.popleft() is state
-                num_blocks = policy.worst_case_blocks(state, self.limits)
-                state.block_table = self.allocator.allocate(num_blocks)
-                self.running.append(state)
+            state = self.waiting.popleft()
+            num_blocks = policy.worst_case_blocks(state, self.limits)
+            state.block_table = self.allocator.allocate(num_blocks)
+            self.running.append(state)
         assert step.requests, "admission must make progress: a request needs more KV blocks"
         return step
 
