@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_aot.models.registry import arch_from_hf_config
-from vllm_aot.runtime.buckets import pick_bucket, powers_of_two
+from vllm_aot.runtime.buckets import bucket_split, pick_bucket, powers_of_two
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import all_program_keys
 
@@ -19,6 +19,17 @@ def test_pick_bucket_takes_the_smallest_that_fits():
 def test_pick_bucket_names_the_largest_bucket_when_nothing_fits():
     with pytest.raises(ValueError, match=r"largest bucket \(8\)"):
         pick_bucket((1, 2, 4, 8), 9)
+
+
+def test_bucket_split_pays_for_another_call_only_where_padding_costs_more():
+    buckets = (32, 128, 512)
+    assert bucket_split(100, buckets, 48) == (100,)  # one 128
+    assert bucket_split(130, buckets, 48) == (128, 2)  # 128 + 32 (+ 96) against 512 (+ 48)
+    assert bucket_split(260, buckets, 48) == (128, 128, 4)
+    assert bucket_split(450, buckets, 48) == (450,)  # four calls would cost more than 512's
+    assert bucket_split(512, buckets, 48) == (512,)
+    assert bucket_split(130, buckets, 400) == (130,)  # calls dear: one padded call
+    assert bucket_split(700, (512,), 48) == (512, 188)  # beyond the largest: whole ones first
 
 
 def test_powers_of_two_end_at_the_maximum():

@@ -72,6 +72,25 @@ def test_chunked_prefill_equals_one_shot_prefill(tiny_model_dir):
     assert outputs[16].logprobs == pytest.approx(outputs[256].logprobs, abs=1e-4)
 
 
+def test_a_prompt_just_past_a_bucket_runs_as_pieces_with_the_logits_of_one_call(tiny_model_dir):
+    """130 tokens with buckets of 32, 128 and 256: a 128-token program, then a 32-token one for
+    the last 2 (reading the first 128 from the cache), not 126 tokens of padding."""
+    (prompt,) = prompts_of_lengths(130)
+    logits, prefills = {}, {}
+    for buckets in ((32, 128, 256), (256,)):
+        config = tiny_config(max_num_batched_tokens=256, prefill_token_buckets=buckets)
+        model, _ = load_model(tiny_model_dir, config, show_progress=False)
+        logits[buckets] = model.prefill_logits(PrefillChunk(prompt, 0, list(range(1, 10))))
+        prefills[buckets] = {
+            k.name: n for k, n in model.num_executions.items() if n and k.name.startswith("pre")
+        }
+    assert prefills == {
+        (32, 128, 256): {"prefill_t128_c0": 1, "prefill_t32_c256": 1},
+        (256,): {"prefill_t256_c0": 1},
+    }
+    torch.testing.assert_close(logits[(32, 128, 256)], logits[(256,)], atol=1e-4, rtol=1e-4)
+
+
 def test_several_prompts_packed_in_one_prefill_match_separate_runs(tiny_model_dir):
     model, _ = load_model(tiny_model_dir, tiny_config(), show_progress=False)
     prompts = prompts_of_lengths(9, 20, 30)

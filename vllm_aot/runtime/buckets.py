@@ -41,3 +41,24 @@ def validate_buckets(
     if values[-1] != maximum:
         raise ValueError(f"the largest of {name} must be {maximum}, got {list(values)}")
     return values
+
+
+def bucket_split(needed: int, buckets: Sequence[int], call_cost: int) -> tuple[int, ...]:
+    """Sizes of the calls that cover `needed` tokens most cheaply when a call of bucket b costs
+    b + call_cost: whole buckets, the last one padded; one call unless splitting costs strictly
+    less (a 130-token prompt as 128 + 2 in a 32, not 130 in a 512). Pure: no tensors."""
+    best: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def cover(n: int) -> tuple[int, tuple[int, ...]]:
+        if n not in best:
+            bucket = fitting_bucket(buckets, n)
+            options = [] if bucket is None else [(bucket + call_cost, (n,))]
+            for b in sorted(buckets, reverse=True):  # larger pieces first on equal cost
+                if b < n:
+                    cost, rest = cover(n - b)
+                    options.append((b + call_cost + cost, (b, *rest)))
+            best[n] = min(options, key=lambda option: (option[0], len(option[1])))
+        return best[n]
+
+    assert needed > 0, "a call covers at least one token"
+    return cover(needed)[1]

@@ -40,6 +40,7 @@ from vllm_aot.runtime.inputs import (
     RowSampling,
     VerifyInputs,
     VerifyRow,
+    prefill_pieces,
     prepare_decode,
     prepare_prefill,
     prepare_sampling,
@@ -232,10 +233,14 @@ class CompiledModel:
 
     def forward_prefill(self, chunks: Sequence[PrefillChunk]) -> PrefillHidden:
         """Layers of a prefill step; each chunk's last hidden state (the head's rows) and every
-        token's (prompt logprobs)."""
-        hidden, inputs = self._prefill_layers(chunks)
-        num_real = sum(len(c.token_ids) for c in chunks)
-        return PrefillHidden(hidden[inputs.logits_indices], hidden[:num_real])
+        token's (prompt logprobs). A chunk its bucket would pad more than more calls cost runs
+        as pieces (`prefill_pieces`), the last piece's last token being the chunk's."""
+        tokens = []
+        for piece in prefill_pieces(chunks, self.config):
+            hidden, inputs = self._prefill_layers(piece)
+            tokens.append(hidden[: sum(len(c.token_ids) for c in piece)])
+        last = hidden[inputs.logits_indices]
+        return PrefillHidden(last, tokens[0] if len(tokens) == 1 else torch.cat(tokens))
 
     def prefill_states(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
         """A prefill step for pooling (a decoder under `convert` "embed"): each chunk's token
