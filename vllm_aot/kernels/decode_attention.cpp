@@ -59,9 +59,10 @@ struct Cached {
   // f(t, the element at position t) for t < len, in order; the next block's positions are
   // prefetched as a block starts (a row's blocks are scattered over the pool, and one head's
   // elements of a position are a line or two in a stride of every head's: too sparse for the
-  // hardware prefetcher).
+  // hardware prefetcher). Always inlined, so that in the AVX512-BF16 loops
+  // (`decode_attention_avx512.h`) `f`, compiled for that target, is inlined too.
   template <class F>
-  inline void each(const F& f) const {
+  __attribute__((always_inline)) inline void each(const F& f) const {
     constexpr int64_t kLine = 64 / sizeof(P);
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
       const P* base = pool + table[b] * block_size * token_stride;

@@ -15,7 +15,6 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #define VLLM_AOT_AVX512_BF16_ATTENTION \
@@ -29,25 +28,6 @@ inline bool available() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512bf16");
-}
-
-// f(t, the element at position t) for each cached position t of `c` (`decode_attention.cpp`'s
-// `Cached`: its fields), in order, the next block's positions prefetched as a block starts: its
-// `each` again, compiled for this target so `f` is inlined.
-template <class Cached, class F>
-VLLM_AOT_AVX512_BF16_ATTENTION inline void each_position(const Cached& c, const F& f) {
-  for (int64_t t0 = 0, b = 0; t0 < c.len; t0 += c.block_size, ++b) {
-    const BF16* base = c.pool + c.table[b] * c.block_size * c.token_stride;
-    const int64_t n = std::min(c.block_size, c.len - t0);
-    if (t0 + c.block_size < c.len) {
-      const BF16* next = c.pool + c.table[b + 1] * c.block_size * c.token_stride;
-      const int64_t later = std::min(c.block_size, c.len - t0 - c.block_size);
-      for (int64_t j = 0; j < later; ++j)
-        for (int64_t e = 0; e < c.head_dim; e += 32)
-          _mm_prefetch(reinterpret_cast<const char*>(next + j * c.token_stride + e), _MM_HINT_T0);
-    }
-    for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j * c.token_stride);
-  }
 }
 
 // 16 vectors of partial sums -> one vector of their 16 totals, v[k]'s in lane k.
@@ -81,7 +61,7 @@ VLLM_AOT_AVX512_BF16_ATTENTION void key_scores(const BF16* q, float scale, const
   alignas(64) __m512 partial[G][16] = {};
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t len = keys.len;
-  each_position(keys, [&](int64_t t, const BF16* key) VLLM_AOT_AVX512_BF16_ATTENTION {
+  keys.each([&](int64_t t, const BF16* key) VLLM_AOT_AVX512_BF16_ATTENTION {
     __m512bh k[D];
     for (int c = 0; c < D; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
     const int slot = static_cast<int>(t & 15);
@@ -118,7 +98,7 @@ VLLM_AOT_AVX512_BF16_ATTENTION void weighted_values(const float* probs, int64_t 
     __m512 acc[G][2 * kPiece];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 2 * kPiece; ++c) acc[g][c] = _mm512_setzero_ps();
-    each_position(values, [&](int64_t t, const BF16* v) VLLM_AOT_AVX512_BF16_ATTENTION {
+    values.each([&](int64_t t, const BF16* v) VLLM_AOT_AVX512_BF16_ATTENTION {
       __m512 w[G];
       for (int g = 0; g < G; ++g) w[g] = _mm512_set1_ps(probs[g * stride + t]);
       for (int c = 0; c < kPiece; ++c) {
@@ -138,8 +118,10 @@ VLLM_AOT_AVX512_BF16_ATTENTION void weighted_values(const float* probs, int64_t 
         const __m256i own_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(own + at));
         const __m256i own_bits2 =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(own + at + 16));
-        const __m512 own_lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(own_bits), 16));
-        const __m512 own_hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(own_bits2), 16));
+        const __m512 own_lo =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(own_bits), 16));
+        const __m512 own_hi =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(own_bits2), 16));
         const __m512 a = _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]);
         const __m512 b = _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]);
         _mm512_storeu_ps(out + g * 32 * D + at, _mm512_fmadd_ps(p, own_lo, a));
