@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 
@@ -43,22 +45,28 @@ def validate_buckets(
     return values
 
 
-def bucket_split(needed: int, buckets: Sequence[int], call_cost: int) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=4096)
+def bucket_split(needed: int, buckets: tuple[int, ...], call_cost: int) -> tuple[int, ...]:
     """Sizes of the calls that cover `needed` tokens most cheaply when a call of bucket b costs
     b + call_cost: whole buckets, the last one padded; one call unless splitting costs strictly
-    less (a 130-token prompt as 128 + 2 in a 32, not 130 in a 512). Pure: no tensors."""
-    best: dict[int, tuple[int, tuple[int, ...]]] = {}
-
-    def cover(n: int) -> tuple[int, tuple[int, ...]]:
-        if n not in best:
-            bucket = fitting_bucket(buckets, n)
-            options = [] if bucket is None else [(bucket + call_cost, (n,))]
-            for b in sorted(buckets, reverse=True):  # larger pieces first on equal cost
-                if b < n:
-                    cost, rest = cover(n - b)
-                    options.append((b + call_cost + cost, (b, *rest)))
-            best[n] = min(options, key=lambda option: (option[0], len(option[1])))
-        return best[n]
-
+    less (a 130-token prompt as 128 + 2 in a 32, not 130 in a 512). Pure: no tensors; worked
+    out bottom up (any bucket size, any length) and remembered (every prefill step asks)."""
     assert needed > 0, "a call covers at least one token"
-    return cover(needed)[1]
+    larger_first = sorted(buckets, reverse=True)  # larger pieces first on equal cost
+    cost = [0] * (needed + 1)  # cost[n]: the cheapest cover of n tokens
+    first = [0] * (needed + 1)  # its first call's size
+    calls = [0] * (needed + 1)  # and its number of calls
+    for n in range(1, needed + 1):
+        bucket = fitting_bucket(buckets, n)
+        best = (math.inf, 0) if bucket is None else (bucket + call_cost, 1)
+        first[n] = n
+        for b in larger_first:
+            option = (b + call_cost + cost[n - b], 1 + calls[n - b]) if b < n else None
+            if option is not None and option < best:
+                best, first[n] = option, b
+        cost[n], calls[n] = best
+    sizes, n = [], needed
+    while n:
+        sizes.append(first[n])
+        n -= first[n]
+    return tuple(sizes)
