@@ -65,7 +65,7 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const float* x, con
   __m256 acc[B][R];
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
-  if constexpr (B == 1) prefetch_rows<R>(w, row0);
+  if constexpr (B == 1) prefetch_rows<R, kToL1>(w, row0);
   const int64_t blocks = w.k / kBlock;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     for (int r = 0; r < R; ++r) {

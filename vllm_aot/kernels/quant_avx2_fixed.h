@@ -190,7 +190,7 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
   for (int b = 0; b < B; ++b)
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
-  if constexpr (B == 1) prefetch_planes<R>(w, row0);
+  if constexpr (B == 1) prefetch_planes<R, kToL1>(w, row0);
   alignas(32) float ds[B][R][kChunk];
   for (int64_t c0 = 0; c0 < x.blocks; c0 += kChunk) {
     const int64_t n = std::min(kChunk, x.blocks - c0);
@@ -252,7 +252,7 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
       if constexpr (B == 1 && !kWidened)  // never faults past the weight's end
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
-          prefetch_line(codes + (r + kPrefetchRows) * w.q_stride + i * kBlockBytes);
+          prefetch_line<kToL1>(codes + (r + kPrefetchRows) * w.q_stride + i * kBlockBytes);
 #pragma GCC unroll 4
       for (int64_t j = 0; j < kPerLine; ++j) block(i + j);
     }

@@ -98,7 +98,7 @@ VLLM_AOT_AVX512 void tile_rows(const Weights& w, int64_t row0, const float* x, c
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-  if constexpr (B == 1) prefetch_rows<R>(w, row0);
+  if constexpr (B == 1) prefetch_rows<R, kToL2>(w, row0);
   const int64_t blocks = w.k / kBlock;
   for (int64_t c = 0; c < blocks; c += 16) {
     __m512 scales[R];

@@ -181,7 +181,7 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
-      prefetch_line(rows[r] + ahead + kGroupBytes<F> * g + line);
+      prefetch_line<kToL2>(rows[r] + ahead + kGroupBytes<F> * g + line);
     group_codes<F, kWhole>(rows[r], g, left, lo[r], hi[r]);
   }
 #pragma GCC unroll 4
@@ -211,7 +211,7 @@ VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arrang
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-  prefetch_planes<R>(w, row0);
+  prefetch_planes<R, kToL2>(w, row0);
   const uint8_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = w.q + (row0 + r) * w.q_stride;
   const int64_t ahead = kPrefetchRows * w.q_stride, whole = w.blocks / 4;
