@@ -61,7 +61,7 @@ VLLM_AOT_AVX512_BF16_ATTENTION void key_scores(const BF16* q, float scale, const
   alignas(64) __m512 partial[G][16] = {};
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t len = keys.len;
-  keys.each([&](int64_t t, const BF16* key) VLLM_AOT_AVX512_BF16_ATTENTION {
+  keys.template each<_MM_HINT_T1>([&](int64_t t, const BF16* key) VLLM_AOT_AVX512_BF16_ATTENTION {
     __m512bh k[D];
     for (int c = 0; c < D; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
     const int slot = static_cast<int>(t & 15);
@@ -98,7 +98,7 @@ VLLM_AOT_AVX512_BF16_ATTENTION void weighted_values(const float* probs, int64_t 
     __m512 acc[G][2 * kPiece];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 2 * kPiece; ++c) acc[g][c] = _mm512_setzero_ps();
-    values.each([&](int64_t t, const BF16* v) VLLM_AOT_AVX512_BF16_ATTENTION {
+    values.template each<_MM_HINT_T1>([&](int64_t t, const BF16* v) VLLM_AOT_AVX512_BF16_ATTENTION {
       __m512 w[G];
       for (int g = 0; g < G; ++g) w[g] = _mm512_set1_ps(probs[g * stride + t]);
       for (int c = 0; c < kPiece; ++c) {
