@@ -62,7 +62,7 @@ struct Cached {
   // hardware prefetcher), into L1 (`kHint`; the AVX512-BF16 loops ask into L2: from DRAM, 8 rows
   // of SmolLM2's heads at 150 positions, 137 -> 124 us a layer). Always inlined, so that in the
   // AVX512-BF16 loops (`decode_attention_avx512.h`) `f`, compiled for that target, is inlined too.
-  template <int kHint = _MM_HINT_T0, class F>
+  template <decltype(_MM_HINT_T0) kHint = _MM_HINT_T0, class F>
   __attribute__((always_inline)) inline void each(const F& f) const {
     constexpr int64_t kLine = 64 / sizeof(P);
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
@@ -73,8 +73,7 @@ struct Cached {
         const int64_t later = std::min(block_size, len - t0 - block_size);
         for (int64_t j = 0; j < later; ++j)
           for (int64_t e = 0; e < head_dim; e += kLine)
-            _mm_prefetch(reinterpret_cast<const char*>(next + j * token_stride + e),
-                         static_cast<decltype(_MM_HINT_T0)>(kHint));
+            _mm_prefetch(reinterpret_cast<const char*>(next + j * token_stride + e), kHint);
       }
       for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j * token_stride);
     }

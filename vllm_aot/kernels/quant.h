@@ -147,14 +147,15 @@ constexpr int64_t kPrefetchRows = 16;
 // beside the kernel's own loads, and a batch-1 step's linears took 7.1 ms where they take 5.2
 // asked into L2 (the head alone 2.1 -> 1.2 ms). The AVX2 kernels, slower a block, keep L1
 // (`kToL1`): asked into L2 their layers ran 9 % slower on the same CPU.
-constexpr int kToL1 = _MM_HINT_T0, kToL2 = _MM_HINT_T1;
+using Hint = decltype(_MM_HINT_T0);  // the intrinsic's own type for its hint
+constexpr Hint kToL1 = _MM_HINT_T0, kToL2 = _MM_HINT_T1;
 
-template <int kHint>
+template <Hint kHint>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_line(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p), static_cast<decltype(_MM_HINT_T0)>(kHint));
+  _mm_prefetch(static_cast<const char*>(p), kHint);
 }
 
-template <int R, int kHint>
+template <int R, Hint kHint>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_planes(const Weights& w, int64_t row0) {
   for (const c10::Half* plane : {w.scale, w.min})
     if (plane != nullptr)
@@ -164,7 +165,7 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_planes(const Weights& w, int64_t row
 }
 
 // The float32 kernels' whole tile ahead at once: its codes, then `prefetch_planes`.
-template <int R, int kHint>
+template <int R, Hint kHint>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_rows(const Weights& w, int64_t row0) {
   for (int64_t line = 0; line < R * w.q_stride; line += 64)
     prefetch_line<kHint>(w.q + (row0 + kPrefetchRows) * w.q_stride + line);
