@@ -6,7 +6,7 @@ of its own that keeps the model loaded and waits while the server works) and `vl
 time per output token to one streaming client, then their ratio, pair by pair and as medians. A
 request's TPOT is a mean (its decode time over its tokens), so the step alone it is set against
 is the mean of as many steps; their median is printed beside it (on a noisy host the two differ
-by up to ~10 %, the mean the higher). Both sides get the same prompt (token ids), 128 new tokens
+by up to ~14 %, the mean the higher). Both sides get the same prompt (token ids), 128 new tokens
 after it and the same sampling (temperature 1, as `vllm bench serve` leaves it, or
 `--temperature 0` for greedy), so the ratio is what the server adds around the programs. The
 host's speed moves from minute to minute (here by over half): a runtime pass and a served
