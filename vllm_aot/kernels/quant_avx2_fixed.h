@@ -260,13 +260,11 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
   }
   const __m256 zero = _mm256_setzero_ps();
   for (int b = 0; b < B; ++b) {
-    float y[4];
     if constexpr (R == 4) {
-      _mm_storeu_ps(y, avx2::reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]));
+      store_sums<R>(avx2::reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]), out + b * w.n + row0);
     } else {
-      _mm_storeu_ps(y, avx2::reduce4(acc[b][0], zero, zero, zero));
+      store_sums<R>(avx2::reduce4(acc[b][0], zero, zero, zero), out + b * w.n + row0);
     }
-    for (int r = 0; r < R; ++r) store(y[r], out + b * w.n + row0 + r);
   }
 }
 
