@@ -208,33 +208,29 @@ const float* block_sums(const Weights& w, const float* x, int64_t m, int64_t& st
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }
 
-// The first R of four sums to out[0 .. R): four at once as float32, or as bfloat16 rounded as
-// c10::BFloat16 rounds (to nearest even, NaN to 0x7FC0).
-template <int R>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void store_sums(__m128 y, float* out) {
-  if constexpr (R == 4) {
-    _mm_storeu_ps(out, y);
-  } else {
-    float v[4];
-    _mm_storeu_ps(v, y);
-    for (int r = 0; r < R; ++r) out[r] = v[r];
-  }
+// Four sums to out[0 .. 4) at once: as float32, or as bfloat16 rounded as c10::BFloat16 rounds
+// (to nearest even, NaN to 0x7FC0).
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void store4(__m128 y, float* out) { _mm_storeu_ps(out, y); }
+
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void store4(__m128 y, c10::BFloat16* out) {
+  const __m128i bits = _mm_castps_si128(y);
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+  __m128i high = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(odd, _mm_set1_epi32(0x7FFF))), 16);
+  high = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(high),
+                                        _mm_castsi128_ps(_mm_set1_epi32(0x7FC0)),
+                                        _mm_cmpunord_ps(y, y)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi32(high, high));
 }
 
-template <int R>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void store_sums(__m128 y, c10::BFloat16* out) {
+// The first R of four sums to out[0 .. R).
+template <int R, class Out>
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void store_sums(__m128 y, Out* out) {
   if constexpr (R == 4) {
-    const __m128i bits = _mm_castps_si128(y);
-    const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
-    __m128i high = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(odd, _mm_set1_epi32(0x7FFF))), 16);
-    high = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(high),
-                                          _mm_castsi128_ps(_mm_set1_epi32(0x7FC0)),
-                                          _mm_cmpunord_ps(y, y)));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi32(high, high));
+    store4(y, out);
   } else {
     float v[4];
     _mm_storeu_ps(v, y);
-    for (int r = 0; r < R; ++r) out[r] = c10::BFloat16(v[r]);
+    for (int r = 0; r < R; ++r) store(v[r], out + r);
   }
 }
 
