@@ -260,11 +260,13 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
   }
   const __m256 zero = _mm256_setzero_ps();
   for (int b = 0; b < B; ++b) {
+    __m128 y;
     if constexpr (R == 4) {
-      store_sums<R>(avx2::reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]), out + b * w.n + row0);
+      y = avx2::reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
     } else {
-      store_sums<R>(avx2::reduce4(acc[b][0], zero, zero, zero), out + b * w.n + row0);
+      y = avx2::reduce4(acc[b][0], zero, zero, zero);
     }
+    store_sums<R>(y, out + b * w.n + row0);
   }
 }
 
