@@ -115,16 +115,16 @@ def test_a_failed_prefill_leaves_nothing_in_the_prefix_cache(engine, loop_model,
 
 def test_host_side_processing_failure_ends_its_row_alone(engine, monkeypatch):
     """B's penalty processing fails on its third token; A, decoding beside it, is untouched."""
-    resample = runner_module.resample
+    process_logits = runner_module.process_logits
     calls = []
 
-    def third_call_fails(logits, request, sampling, config):
+    def third_call_fails(logits, request):
         calls.append(request.req_id)
         if len(calls) == 3:
             raise RuntimeError("planted failure")
-        return resample(logits, request, sampling, config)
+        return process_logits(logits, request)
 
-    monkeypatch.setattr(runner_module, "resample", third_call_fails)
+    monkeypatch.setattr(runner_module, "process_logits", third_call_fails)
     engine.add("A", 20)
     engine.add("B", 20, repetition_penalty=1.5)
     engine.run()

@@ -159,7 +159,7 @@ def test_host_processed_rows_report_raw_logprobs(logits):
     """A biased row samples the biased token; its logprob and rank are of the raw logits."""
     from vllm import SamplingParams as VllmSamplingParams
 
-    from vllm_aot.plugin.logits import resample
+    from vllm_aot.plugin.logits import process_logits, resample
     from vllm_aot.plugin.requests import CachedRequest
 
     params = VllmSamplingParams(temperature=0, logprobs=2, logit_bias={7: 100.0})
@@ -172,9 +172,63 @@ def test_host_processed_rows_report_raw_logprobs(logits):
         vocab_size=VOCAB,
     )
     sampling = RowSampling(request.sampling, request.seed, 2)
-    out = resample(logits[0], request, sampling, tiny_config())
+    processed = process_logits(logits[0], request)
+    out = resample(logits[:1], processed[None], [sampling], tiny_config())
     logprobs = torch.log_softmax(logits[0], dim=-1)
     assert out.tokens.item() == 7
     assert out.token_logprobs.item() == pytest.approx(logprobs[7].item(), abs=1e-6)
     assert out.token_ranks.item() == int((logprobs >= logprobs[7]).sum()) > 1
     assert out.top_ids[0, 0].item() == logits[0].argmax().item()
+
+
+def _host_request(req_id: str, outputs: list[int], **params):
+    from vllm import SamplingParams as VllmSamplingParams
+
+    from vllm_aot.plugin.requests import CachedRequest
+
+    request = CachedRequest.new(
+        req_id=req_id,
+        prompt_token_ids=[1, 2, 3, 2],
+        params=VllmSamplingParams(max_tokens=64, **params),
+        block_ids=[1],
+        num_computed_tokens=0,
+        vocab_size=VOCAB,
+    )
+    request.output_token_ids.extend(outputs)
+    return request
+
+
+def test_host_processed_rows_drawn_together_equal_each_drawn_alone():
+    """The runner draws a step's host-processed rows in one call; each row's token, logprob and
+    rank are what it gets drawn alone (its seed and position, not its neighbours, decide)."""
+    from vllm_aot.plugin.logits import process_logits, resample
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    requests = [
+        _host_request("a", [5, 9, 9], temperature=1.0, repetition_penalty=1.3, seed=3),
+        _host_request("b", [7], temperature=0.0, presence_penalty=1.5, logprobs=2),
+        _host_request("c", [], temperature=0.8, top_p=0.9, logit_bias={11: 5.0}, seed=4),
+        _host_request("d", [4, 4], temperature=1.0, frequency_penalty=0.7, min_tokens=5),
+    ]
+    sampling = [RowSampling(r.sampling, r.seed, 9 + i) for i, r in enumerate(requests)]
+    processed = torch.stack([process_logits(logits[i], r) for i, r in enumerate(requests)])
+    together = resample(logits, processed, sampling, tiny_config())
+    for i in range(len(requests)):
+        alone = resample(
+            logits[i : i + 1], processed[i : i + 1], sampling[i : i + 1], tiny_config()
+        )
+        for field, value in zip(together._fields, together, strict=True):
+            assert torch.equal(value[i], getattr(alone, field)[0]), (i, field)
+
+
+def test_frequency_and_presence_penalties_move_only_generated_tokens():
+    """vLLM's penalties: logits -= frequency * count + presence * (count > 0), per generated
+    token; the prompt's tokens and the rest of the vocabulary keep their logits."""
+    from vllm_aot.plugin.logits import process_logits
+
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))
+    outputs = [5, 9, 9, 9, 400]
+    request = _host_request("p", outputs, frequency_penalty=0.5, presence_penalty=0.25)
+    counts = torch.bincount(torch.tensor(outputs), minlength=VOCAB).float()
+    expected = logits - 0.5 * counts - 0.25 * (counts > 0).float()
+    assert torch.allclose(process_logits(logits, request), expected, atol=1e-6)

@@ -1,16 +1,25 @@
 """Host-side logits processing for requests that need it, in vLLM's order and semantics.
 
 Penalties, logit bias, min_tokens, bad words and allowed tokens change the distribution in ways
-the compiled head program does not model; rows that use them are re-sampled here (`resample`)
-from the raw logits the program returned, by the head's own sampler (`sample_rows`) with the
-row's seed and mask. Their logprobs stay vLLM's raw ones, of that row's unprocessed logits. Rows
+the compiled head program does not model; rows that use them are processed here one by one
+(`process_logits`) from the raw logits the program returned, then a step's processed rows are
+re-sampled together (`resample`) by the head's own sampler and kernels, each row with its seed
+and mask. Their logprobs stay vLLM's raw ones, of that row's unprocessed logits. Rows
 that use none of them keep the on-device result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from vllm_aot.kernels import (
+    logprob_stats_kernel,
+    logprobs_impl,
+    sample_tokens_kernel,
+    sampling_impl,
+)
 from vllm_aot.plugin.requests import CachedRequest
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import RowSampling, prepare_sampling
@@ -18,20 +27,26 @@ from vllm_aot.runtime.sampler import SamplerOutput, sample_rows
 
 
 def resample(
-    logits: torch.Tensor, request: CachedRequest, sampling: RowSampling, config: RuntimeConfig
+    logits: torch.Tensor,
+    processed: torch.Tensor,
+    sampling: Sequence[RowSampling],
+    config: RuntimeConfig,
 ) -> SamplerOutput:
-    """One row's raw logits [vocab] float32 -> a one-row SamplerOutput drawn after processing.
-
-    The token comes from the processed logits; its logprob, rank and the top-n from `logits`.
+    """Rows' raw logits and their processed copies, both [rows, vocab] float32 -> a SamplerOutput
+    of those rows, each token drawn from its processed row by the head's own kernels (the draw
+    and the logprob statistics the head programs call, or their torch references where kernels
+    do not build); logprobs, ranks and the top-n from the raw rows.
     """
-    tensors = prepare_sampling([sampling], 1, logits.shape[-1])
+    tensors = prepare_sampling(sampling, len(sampling), logits.shape[-1])
     return sample_rows(
-        logits[None],
+        logits,
         tensors,
-        is_greedy=sampling.params.is_greedy,
+        is_greedy=all(s.params.is_greedy for s in sampling),
         num_logprobs=config.num_logprobs,
         num_candidates=config.num_sampling_candidates,
-        processed=process_logits(logits, request)[None],
+        processed=processed,
+        draw=sample_tokens_kernel(sampling_impl()),
+        stats=logprob_stats_kernel(logprobs_impl()),
     )
 
 
@@ -62,7 +77,8 @@ def process_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor
         penalty = params.repetition_penalty
         out[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if outputs and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(outputs), minlength=vocab_size)[:vocab_size].float()
-        out -= params.frequency_penalty * counts
-        out -= params.presence_penalty * (counts > 0).float()
+        # Only the tokens already generated move: their counts, not a vocabulary of zeros.
+        ids, counts = torch.tensor(outputs, dtype=torch.int64).unique(return_counts=True)
+        ids, counts = ids[ids < vocab_size], counts[ids < vocab_size]
+        out[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
     return out

@@ -36,7 +36,7 @@ from vllm.v1.outputs import (
 )
 
 from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
-from vllm_aot.plugin.logits import resample
+from vllm_aot.plugin.logits import process_logits, resample
 from vllm_aot.plugin.prompt_logprobs import PromptLogprobs
 from vllm_aot.plugin.requests import (
     CachedRequest,
@@ -308,6 +308,7 @@ class AotModelRunner:
             out, num_accepted = self.model.sample_verify(layer.hidden, layer.verify, sampling)
             n = layer.verify.key.num_positions  # head rows per row
         sampled: dict[str, Sampled] = {}
+        processed: list[tuple[int, CachedRequest, torch.Tensor]] = []  # (row, request, logits)
         for i, row in enumerate(layer.rows):
             if not row.is_complete:
                 continue
@@ -320,12 +321,23 @@ class AotModelRunner:
                 continue
             try:
                 with self.model.spans("logits_processing"):
-                    logits = out.logits[i * n]
-                    resampled = resample(logits, request, sampling[i], self.model.config)
+                    processed.append((i, request, process_logits(out.logits[i * n], request)))
             except Exception as exc:
                 self._fail(exc, [request.req_id], failed)
-                continue
-            sampled[request.req_id] = Sampled(resampled, 0, request.params.logprobs)
+        if not processed:
+            return sampled
+        rows, requests, logits = zip(*processed, strict=True)
+        try:  # the processed rows drawn together, in one call of the head's kernels
+            with self.model.spans("logits_processing"):
+                raw = out.logits[[i * n for i in rows]]
+                resampled = resample(
+                    raw, torch.stack(logits), [sampling[i] for i in rows], self.model.config
+                )
+        except Exception as exc:
+            self._fail(exc, [r.req_id for r in requests], failed)
+            return sampled
+        for j, request in enumerate(requests):
+            sampled[request.req_id] = Sampled(resampled, j, request.params.logprobs)
         return sampled
 
     def _runner_output(
