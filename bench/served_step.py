@@ -6,9 +6,11 @@ of its own that keeps the model loaded and waits while the server works) and `vl
 time per output token to one streaming client, then their ratio, pair by pair and as medians. A
 request's TPOT is a mean (its decode time over its tokens), so the step alone it is set against
 is the mean of as many steps; their median is printed beside it (on a noisy host the two differ
-by up to ~14 %, the mean the higher). Both sides get the same prompt (token ids), 128 new tokens
-after it and the same sampling (temperature 1, as `vllm bench serve` leaves it, or
-`--temperature 0` for greedy), so the ratio is what the server adds around the programs. The
+by up to ~14 %, the mean the higher). The runtime runs on the cores and threads the server's
+steps get (with `VLLM_CPU_NUM_OF_RESERVED_CPU=1`, all but the front end's core). Both sides get
+the same prompt (token ids), 128 new tokens after it and the same sampling (temperature 1, as
+`vllm bench serve` leaves it, or `--temperature 0` for greedy), so the ratio is what the server
+adds around the programs. The
 host's speed moves from minute to minute (here by over half): a runtime pass and a served
 request alternate, seconds apart, and each pair's ratio is read off its own two figures.
 
@@ -34,6 +36,7 @@ from runtime_bench import tokens
 
 from vllm_aot.loading.artifacts import export_model, is_artifact_dir
 from vllm_aot.models.prepare import prepare_default_model
+from vllm_aot.plugin.front_end import split_cores
 from vllm_aot.runtime.config import RuntimeConfig
 
 PROMPT_LEN = 128
@@ -53,7 +56,11 @@ def runtime_passes(artifact: Path, temperature: float) -> None:
     from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
     from vllm_aot.runtime.sampler import SamplingParams
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    # The server's steps' configuration: its compute cores (all of them, or those left beside a
+    # core reserved for the front end: VLLM_CPU_NUM_OF_RESERVED_CPU), a thread each.
+    compute, _ = split_cores(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, compute)
+    torch.set_num_threads(len(compute))
     model, _ = load_model(artifact, CONFIG)
     params = SamplingParams(temperature=temperature).normalized()
     blocks = BlockAllocator(model.config.total_kv_blocks).allocate(

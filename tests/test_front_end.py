@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vllm_aot.plugin.front_end import front_end_nice
+from vllm_aot.plugin.front_end import MIN_CORES_TO_RESERVE, front_end_nice, split_cores
 
 
 def test_front_end_nice_reads_0_to_19_and_names_the_range_otherwise():
@@ -16,6 +16,21 @@ def test_front_end_nice_reads_0_to_19_and_names_the_range_otherwise():
     for bad in ("20", "-1", "high"):
         with pytest.raises(ValueError, match=r"VLLM_AOT_FRONT_END_NICE.*from 0 to 19"):
             front_end_nice({"VLLM_AOT_FRONT_END_NICE": bad})
+
+
+def test_the_front_end_gets_the_last_cores_asked_for_and_one_by_default_on_bigger_machines():
+    key = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+    assert split_cores([3, 1, 2, 0], {key: "1"}) == ((0, 1, 2), (3,))
+    assert split_cores(range(8), {key: "2"}) == ((0, 1, 2, 3, 4, 5), (6, 7))
+    assert split_cores(range(8), {key: "0"}) == (tuple(range(8)), ())
+    small, big = range(MIN_CORES_TO_RESERVE - 1), range(MIN_CORES_TO_RESERVE)
+    assert split_cores(small, {}) == (tuple(small), ())
+    assert split_cores(big, {}) == (tuple(big)[:-1], tuple(big)[-1:])
+    # Nothing left to compute on: the front end shares the cores (vLLM warns the same way).
+    assert split_cores([0, 1], {key: "2"}) == ((0, 1), ())
+    for bad in ("-1", "one"):
+        with pytest.raises(ValueError, match=r"VLLM_CPU_NUM_OF_RESERVED_CPU.*0 or more"):
+            split_cores([0, 1], {key: bad})
 
 
 def run(script: str) -> str:
@@ -67,3 +82,26 @@ os.waitpid(pid, 0)
 """
     )
     assert out == "0 7 0"
+
+
+def test_the_api_server_moves_to_the_front_end_cores_once_the_engine_has_forked():
+    out = run(
+        """
+import os, time
+from vllm_aot.plugin.front_end import lower_after_engine_forks, reserve_front_end
+cores = sorted(os.sched_getaffinity(0))
+reserve_front_end(cores[-1:])  # what the platform decides when it configures the engine
+watcher = lower_after_engine_forks(0, poll_seconds=0.05)
+time.sleep(0.3)
+before = os.sched_getaffinity(0) == set(cores)
+pid = os.fork()
+if pid == 0:
+    open("/proc/self/comm", "w").write("VLLM::EngineCore")
+    time.sleep(2)
+    os._exit(0)
+watcher.join(10)
+print(before, os.sched_getaffinity(0) == {cores[-1]}, os.sched_getaffinity(pid) == set(cores))
+os.waitpid(pid, 0)
+"""
+    )
+    assert out == "True True True"

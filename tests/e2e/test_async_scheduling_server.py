@@ -83,15 +83,28 @@ def thread_nice(pid: int) -> dict[int, int]:
     return {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tids}
 
 
-def test_the_front_end_runs_below_the_step_threads(tiny_model_dirs, tmp_path):
+def thread_cores(pid: int) -> dict[int, set[int]]:
+    return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_the_front_end_runs_below_the_step_threads_and_on_its_own_core(tiny_model_dirs, tmp_path):
     """As `vllm-aot serve` starts a server: its API server, then the engine's own threads, at
-    nice 19; the step thread and its OpenMP team at 0."""
+    nice 19; the step thread and its OpenMP team at 0. With a core reserved for the front end
+    (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), the API server and the engine's own threads run on the
+    last core, the step thread on the others, and requests are answered."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("a core for the front end needs two")
     port = free_port()
     command = vllm_server_command(
-        tiny_model_dirs("llama"), port, args=SHAPE_ARGS, additional_config={"backend": "eager"}
+        tiny_model_dirs("llama"),
+        port,
+        args=["--served-model-name", "tiny", *SHAPE_ARGS],
+        additional_config={"backend": "eager"},
     )
     command[1:3] = ["-m", "vllm_aot.plugin.vllm_serve"]  # what vllm-aot serve runs
-    with running_server(command, port=port, env=SERVER_ENV, log_path=tmp_path / "log"):
+    env = {**SERVER_ENV, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    with running_server(command, port=port, env=env, log_path=tmp_path / "log") as url:
         api_server, engine = server_processes(port)
         deadline = time.monotonic() + 30  # it lowers itself once the engine has forked
         while set(thread_nice(api_server).values()) != {19} and time.monotonic() < deadline:
@@ -100,3 +113,15 @@ def test_the_front_end_runs_below_the_step_threads(tiny_model_dirs, tmp_path):
         engine_threads = thread_nice(engine)
         assert engine_threads[engine] == 19  # the engine's main thread: scheduling, outputs
         assert 0 in engine_threads.values()  # the step thread (and its OpenMP team)
+
+        front_end, compute = {cores[-1]}, set(cores[:-1])
+        while any(c != front_end for c in thread_cores(api_server).values()):
+            assert time.monotonic() < deadline, thread_cores(api_server)
+            time.sleep(0.2)
+        engine_cores = thread_cores(engine)
+        assert engine_cores[engine] == front_end
+        steps = [tid for tid, nice in engine_threads.items() if nice == 0]
+        assert steps and all(engine_cores[tid] == compute for tid in steps)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8

@@ -19,6 +19,15 @@ gaps between steps.
   has forked from it (a child forked earlier would start at that value, compute threads and all).
 
 A priority only ever goes down here: a thread already nicer than asked keeps its value.
+
+Cores of its own. `VLLM_CPU_NUM_OF_RESERVED_CPU` (vLLM's CPU backend's knob, with the same
+meaning: cores kept from the model's OpenMP threads for everything else) takes the last N of the
+server's cores for the front end (`split_cores`); by default none on fewer than
+`MIN_CORES_TO_RESERVE` cores, one from there on. The platform decides once, where the steps
+have a thread of their own (async scheduling, one rank), and the decision travels to the engine
+in its options: there the same threads that are lowered are also pinned to the front end's
+cores (`pin_threads`), and the step thread, with the OpenMP team it starts, to the rest, one
+compute thread a core; the API server pins itself there once the engine has forked.
 """
 
 from __future__ import annotations
@@ -34,6 +43,13 @@ logger = logging.getLogger(__name__)
 
 NICE_ENV = "VLLM_AOT_FRONT_END_NICE"
 MAX_NICE = 19
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own name and meaning (its CPU backend)
+# Below this many cores the front end shares them with the step's threads (at its nice value);
+# from here on one is its own. On 2 cores (docs/benchmarks.md, "A core for the front end") one
+# compute thread beside a front-end core served 0.77-0.91x the tokens of two shared ones at one
+# stream and 0.65-0.74x at 8 and 32: the front end's ~25 % at one stream (nothing at 32, where
+# it runs in the steps' idle moments) is worth a core only where a core is at most ~1/8 of them.
+MIN_CORES_TO_RESERVE = 8
 ENGINE_TITLE = "VLLM::Engine"  # the start of an engine process's name (vLLM's process title)
 
 
@@ -51,6 +67,53 @@ def front_end_nice(environ: dict[str, str] | None = None) -> int:
     return nice
 
 
+def split_cores(
+    cores: Collection[int], environ: dict[str, str] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(compute cores, front-end cores) of `cores`: the last `VLLM_CPU_NUM_OF_RESERVED_CPU`
+    (default: 1 from `MIN_CORES_TO_RESERVE` cores on, else 0) for the front end, the rest for
+    the model's threads; no front-end cores when that would leave none to compute on."""
+    cores = tuple(sorted(cores))
+    value = (os.environ if environ is None else environ).get(RESERVED_ENV, "").strip()
+    if not value:
+        reserved = int(len(cores) >= MIN_CORES_TO_RESERVE)
+    else:
+        try:
+            reserved = int(value)
+        except ValueError:
+            reserved = -1
+        if reserved < 0:
+            raise ValueError(f"{RESERVED_ENV}={value!r}: expected a number of cores, 0 or more")
+    if reserved == 0 or reserved >= len(cores):
+        if reserved:
+            logger.warning(
+                "vllm-aot: %s=%d leaves none of the %d cores to compute on; the front end "
+                "shares them",
+                RESERVED_ENV,
+                reserved,
+                len(cores),
+            )
+        return cores, ()
+    return cores[:-reserved], cores[-reserved:]
+
+
+def pin_threads(native_ids: Collection[int], cores: Collection[int]) -> list[int]:
+    """Threads `native_ids` to `cores`; the ids pinned (a thread gone meanwhile is skipped)."""
+    pinned = []
+    for tid in native_ids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (ProcessLookupError, PermissionError):
+            continue
+        pinned.append(tid)
+    return pinned
+
+
+def python_threads(*, keep: Collection[int]) -> list[int]:
+    """Native ids of this process's Python threads but those in `keep`."""
+    return [t.native_id for t in threading.enumerate() if t.native_id not in (None, *keep)]
+
+
 def lower_thread(native_id: int, nice: int) -> bool:
     """Thread `native_id` to at least `nice`; False when it has gone meanwhile."""
     try:
@@ -66,8 +129,7 @@ def lower_python_threads(nice: int, *, keep: Collection[int]) -> list[int]:
     native ids lowered."""
     if nice <= 0:
         return []
-    others = [t.native_id for t in threading.enumerate() if t.native_id not in (None, *keep)]
-    return [tid for tid in others if lower_thread(tid, nice)]
+    return [tid for tid in python_threads(keep=keep) if lower_thread(tid, nice)]
 
 
 def lower_process(nice: int) -> list[int]:
@@ -75,18 +137,32 @@ def lower_process(nice: int) -> list[int]:
     return [tid for tid in _own_threads() if lower_thread(tid, nice)]
 
 
-def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threading.Thread | None:
-    """A daemon thread that lowers this process (`lower_process`) once a child process named
-    as vLLM's engine (`ENGINE_TITLE`) exists: the engine forks from this process, so lowering
-    it earlier would lower the engine too. None when `nice` is 0."""
-    if nice <= 0:
-        return None
+def reserve_front_end(cores: Collection[int]) -> None:
+    """Record the front end's cores this process's configuration chose (the platform does, in
+    the API server's process, before the engine starts); `lower_after_engine_forks` pins this
+    process there."""
+    global _reserved
+    _reserved = tuple(cores)
+
+
+_reserved: tuple[int, ...] = ()
+
+
+def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threading.Thread:
+    """A daemon thread that, once a child process named as vLLM's engine (`ENGINE_TITLE`)
+    exists, lowers this process (`lower_process`) and pins it to the front end's cores when the
+    configuration reserved some (`reserve_front_end`): the engine forks from this process, so
+    doing either earlier would do it to the engine too."""
 
     def wait_then_lower() -> None:
         while not any(name.startswith(ENGINE_TITLE) for name in _child_names()):
             time.sleep(poll_seconds)
-        logger.info("vllm-aot: the API server's threads run at nice %d (%s)", nice, NICE_ENV)
-        lower_process(nice)
+        if nice > 0:
+            logger.info("vllm-aot: the API server's threads run at nice %d (%s)", nice, NICE_ENV)
+            lower_process(nice)
+        if _reserved:
+            logger.info("vllm-aot: the API server runs on cores %s", list(_reserved))
+            pin_threads(_own_threads(), _reserved)
 
     thread = threading.Thread(target=wait_then_lower, name="vllm-aot-front-end", daemon=True)
     thread.start()

@@ -60,6 +60,9 @@ class AotOptions:
     # The target drafting with every layer: multi-step decoding, no verify programs (the
     # runtime's num_speculative_tokens is 0; vLLM's --speculative-config keeps k).
     multi_step: bool = False
+    # The cores the front end runs on, resolved at start (`plugin/front_end.py`): the API
+    # server and the engine's own threads there, the steps on the rest. Empty: shared.
+    front_end_cores: tuple[int, ...] = ()
 
     @property
     def max_draft_rows(self) -> int:
@@ -94,6 +97,7 @@ class AotOptions:
         fields = dict(fields)
         runtime = RuntimeConfig.from_dict(fields.pop("runtime"))
         artifact_dir = fields.pop("artifact_dir", None)
+        fields["front_end_cores"] = tuple(fields.get("front_end_cores", ()))
         return cls(
             runtime=runtime, artifact_dir=Path(artifact_dir) if artifact_dir else None, **fields
         )

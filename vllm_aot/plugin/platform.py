@@ -21,6 +21,7 @@ import vllm.envs as envs
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
+from vllm_aot.plugin.front_end import reserve_front_end, split_cores
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
@@ -307,6 +308,10 @@ class AotPlatform(CpuPlatform):
             is_async = False
         super().check_and_update_config(vllm_config)
         scheduler_config.async_scheduling = is_async
+        if is_async and vllm_config.parallel_config.world_size == 1:  # steps on their thread
+            _, front_end = split_cores(os.sched_getaffinity(0))  # the engine's: it forks from here
+            options = dataclasses.replace(options, front_end_cores=front_end)
+            reserve_front_end(front_end)  # the API server moves there once the engine forks
         if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
             # Fork the engine process from the front end instead of spawning a fresh interpreter
             # that imports vLLM again (~12 s here). `vllm-aot serve` asks for it: its front end

@@ -31,7 +31,13 @@ from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.experts import rank_share
 from vllm_aot.plugin.async_steps import AsyncSteps
-from vllm_aot.plugin.front_end import front_end_nice, lower_python_threads
+from vllm_aot.plugin.front_end import (
+    RESERVED_ENV,
+    front_end_nice,
+    lower_python_threads,
+    pin_threads,
+    python_threads,
+)
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.parallel import join_ranks
@@ -86,7 +92,10 @@ class AotWorker(WorkerBase):
             local_rank=self.local_rank,
             init_method=self.distributed_init_method,
         )
-        torch.set_num_threads(self.options.num_threads or len(self.place.cores))
+        # The front end's own cores, where the platform reserved some (plugin/front_end.py).
+        front_end = self.options.front_end_cores
+        compute = tuple(c for c in self.place.cores if c not in front_end) or self.place.cores
+        torch.set_num_threads(self.options.num_threads or len(compute))
         self.runner: AotModelRunner | PoolingRunner | DecoderPoolingRunner | None = None
         self.stats_file: StatsFile | None = None
         self.profiler: WorkerProfiler | None = None
@@ -107,6 +116,15 @@ class AotWorker(WorkerBase):
             if self.parallel_config.world_size == 1:
                 step_thread = self.async_steps.native_id()
                 lower_python_threads(front_end_nice(), keep=(step_thread,))
+                if front_end:  # the OpenMP team the step thread starts inherits its cores
+                    pin_threads([step_thread], compute)
+                    pin_threads(python_threads(keep=(step_thread,)), front_end)
+                    logger.info(
+                        "vllm-aot: the steps run on cores %s, the front end on %s (%s)",
+                        list(compute),
+                        list(front_end),
+                        RESERVED_ENV,
+                    )
         self.clock = StepClock()
         validate_worker_profiler_config(self.vllm_config.profiler_config)
 
