@@ -232,3 +232,41 @@ def test_frequency_and_presence_penalties_move_only_generated_tokens():
     counts = torch.bincount(torch.tensor(outputs), minlength=VOCAB).float()
     expected = logits - 0.5 * counts - 0.25 * (counts > 0).float()
     assert torch.allclose(process_logits(logits, request), expected, atol=1e-6)
+
+
+def test_bans_are_mask_bits_and_draw_what_banned_logits_would():
+    """min_tokens' stop tokens, bad words whose prefix was just generated and tokens outside
+    allowed_token_ids are bits cleared in the row's vocabulary mask; drawing under that mask
+    gives the token, logprob and rank that drawing from logits with the bans at -inf gives."""
+    from vllm_aot.plugin.logits import vocab_mask
+    from vllm_aot.runtime.sampler import unpack_vocab_mask
+
+    request = _host_request(
+        "m", [5, 6], temperature=1.0, seed=3, min_tokens=4, bad_words=[], stop_token_ids=[7, 40]
+    )
+    request.params._bad_words_token_ids = [[6, 9], [11], [5, 12]]  # vLLM tokenises the words
+    allowed = unpack_vocab_mask(vocab_mask(request, None, VOCAB)[None], VOCAB)[0]
+    banned = {7, 40, 9, 11}  # the stop tokens, [6, 9] after 6, [11]; not [5, 12]
+    assert set(torch.nonzero(~allowed).flatten().tolist()) == banned
+
+    grammar = allow_only([3, 7, 9, 12, 500], VOCAB)  # a structured output's mask, ANDed
+    both = unpack_vocab_mask(vocab_mask(request, grammar, VOCAB)[None], VOCAB)[0]
+    assert torch.nonzero(both).flatten().tolist() == [3, 12, 500]
+
+    only = _host_request("a", [], temperature=1.0, allowed_token_ids=[2, 31, 32, 999])
+    kept = unpack_vocab_mask(vocab_mask(only, None, VOCAB)[None], VOCAB)[0]
+    assert torch.nonzero(kept).flatten().tolist() == [2, 31, 32, 999]
+    assert vocab_mask(_host_request("p", [1], presence_penalty=1.0), grammar, VOCAB) is grammar
+
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    params = SamplingParams(temperature=1.0).normalized()
+    masked = sample(logits, [params], [3], mask=vocab_mask(request, None, VOCAB)[None])
+    banned_logits = logits.clone()
+    banned_logits[0, sorted(banned)] = float("-inf")
+    tensors = prepare_sampling([RowSampling(params, 3, 7)], 1, VOCAB)
+    reference = sample_rows(
+        logits, tensors, is_greedy=False, num_logprobs=NUM_LOGPROBS, num_candidates=64,
+        processed=banned_logits,
+    )  # fmt: skip
+    assert masked.tokens.item() == reference.tokens.item()
+    assert torch.equal(masked.token_logprobs, reference.token_logprobs)

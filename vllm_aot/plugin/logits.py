@@ -1,17 +1,22 @@
-"""Host-side logits processing for requests that need it, in vLLM's order and semantics.
+"""What a request's sampling rules do beyond the compiled head, in vLLM's semantics.
 
-Penalties, logit bias, min_tokens, bad words and allowed tokens change the distribution in ways
-the compiled head program does not model; rows that use them are processed here one by one
-(`process_logits`) from the raw logits the program returned, then a step's processed rows are
-re-sampled together (`resample`) by the head's own sampler and kernels, each row with its seed
-and mask. Their logprobs stay vLLM's raw ones, of that row's unprocessed logits. Rows
-that use none of them keep the on-device result.
+- Bans (min_tokens' stop tokens until it has that many, bad words whose prefix was just
+  generated, tokens outside allowed_token_ids) are bits cleared in the row's vocabulary mask
+  (`vocab_mask`, with a structured output's grammar mask), which the head program applies
+  itself: no logits leave it.
+- Penalties and logit bias change the logits in ways the head does not model: rows that use them
+  are processed here one by one (`process_logits`) from the raw logits the program returned,
+  then a step's processed rows are re-sampled together (`resample`) by the head's own sampler
+  and kernels, each row with its seed and mask.
+
+Logprobs stay vLLM's raw ones, of the row's unprocessed, unmasked logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from vllm_aot.kernels import (
@@ -20,10 +25,10 @@ from vllm_aot.kernels import (
     sample_tokens_kernel,
     sampling_impl,
 )
-from vllm_aot.plugin.requests import CachedRequest
+from vllm_aot.plugin.requests import CachedRequest, bans_tokens
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import RowSampling, prepare_sampling
-from vllm_aot.runtime.sampler import SamplerOutput, sample_rows
+from vllm_aot.runtime.sampler import SamplerOutput, mask_words, sample_rows
 
 
 def resample(
@@ -50,23 +55,49 @@ def resample(
     )
 
 
-def process_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
-    """One row: logits [vocab] float32 -> processed copy."""
+def vocab_mask(
+    request: CachedRequest, grammar: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor | None:
+    """The row's packed vocabulary mask this step ([ceil(vocab / 32)] int32, a set bit allows
+    its token; None allows every token): the grammar's, if any, less the request's bans."""
     params = request.params
-    out = logits.clone()
-    vocab_size = out.shape[0]
+    if not bans_tokens(params):
+        return grammar
+    if grammar is None:
+        words = np.full(mask_words(vocab_size), -1, dtype=np.int32)
+    else:
+        words = grammar.numpy().copy()
+    bits = words.view(np.uint32)
     if params.allowed_token_ids:
-        allowed = torch.zeros(vocab_size, dtype=torch.bool)
-        allowed[[t for t in params.allowed_token_ids if t < vocab_size]] = True
-        out[~allowed] = float("-inf")
+        allowed = np.zeros_like(bits)
+        ids = np.array([t for t in params.allowed_token_ids if 0 <= t < vocab_size], np.int64)
+        np.bitwise_or.at(allowed, ids >> 5, _bit(ids))
+        bits &= allowed
+    banned = []
     outputs = request.output_token_ids
+    if len(outputs) < params.min_tokens:
+        banned += params.all_stop_token_ids
     for word in params.bad_words_token_ids or ():
         prefix = word[:-1]
         if not prefix or outputs[-len(prefix) :] == prefix:
-            out[word[-1]] = float("-inf")
-    if len(outputs) < params.min_tokens:
-        stop_ids = [t for t in params.all_stop_token_ids if t < vocab_size]
-        out[stop_ids] = float("-inf")
+            banned.append(word[-1])
+    ids = np.array([t for t in banned if 0 <= t < vocab_size], np.int64)
+    if len(ids):
+        np.bitwise_and.at(bits, ids >> 5, ~_bit(ids))
+    return torch.from_numpy(words)
+
+
+def _bit(ids: np.ndarray) -> np.ndarray:
+    """Each token's bit within its mask word, uint32."""
+    return np.uint32(1) << (ids & 31).astype(np.uint32)
+
+
+def process_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
+    """One row: logits [vocab] float32 -> a copy with the request's logit bias and penalties."""
+    params = request.params
+    out = logits.clone()
+    vocab_size = out.shape[0]
+    outputs = request.output_token_ids
     for token, bias in (params.logit_bias or {}).items():
         if 0 <= int(token) < vocab_size:
             out[int(token)] += bias

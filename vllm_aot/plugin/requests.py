@@ -123,16 +123,19 @@ def prompt_of(
 
 
 def needs_logits_processing(params: VllmSamplingParams) -> bool:
-    """Whether sampling must see processed logits (penalties, bias, bans) on the host."""
+    """Whether sampling must see processed logits on the host (penalties, logit bias)."""
     return bool(
         params.presence_penalty
         or params.frequency_penalty
         or params.repetition_penalty != 1.0
         or params.logit_bias
-        or params.min_tokens
-        or params.bad_words_token_ids
-        or params.allowed_token_ids
     )
+
+
+def bans_tokens(params: VllmSamplingParams) -> bool:
+    """Whether some tokens are out this step by the request's rules (min_tokens' stop tokens,
+    bad words, allowed tokens): its vocabulary mask says which (`plugin/logits.vocab_mask`)."""
+    return bool(params.min_tokens or params.bad_words_token_ids or params.allowed_token_ids)
 
 
 @dataclass(kw_only=True)

@@ -36,7 +36,7 @@ from vllm.v1.outputs import (
 )
 
 from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
-from vllm_aot.plugin.logits import process_logits, resample
+from vllm_aot.plugin.logits import process_logits, resample, vocab_mask
 from vllm_aot.plugin.prompt_logprobs import PromptLogprobs
 from vllm_aot.plugin.requests import (
     CachedRequest,
@@ -293,12 +293,13 @@ class AotModelRunner:
         """The head over one program run; rows needing logits processing re-sampled on the host
         (a failure there ends that row's request alone)."""
         known = [r.drafts if layer.verify is None else () for r in layer.rows]  # multi-step
+        vocab_size = self.model.arch.vocab_size
         sampling = [
             RowSampling(
                 r.request.sampling,
                 r.request.seed,
                 r.start + r.num_known + len(k),
-                masks.get(r.request.req_id),
+                vocab_mask(r.request, masks.get(r.request.req_id), vocab_size),
             )
             for r, k in zip(layer.rows, known, strict=True)
         ]

@@ -24,8 +24,9 @@ Supported:
   pass's token (k + 1 tokens a step, the engine's scheduling, output and streaming shared by
   them). A request asking logprobs decodes one token a step; a request's first token goes out
   as soon as it is sampled, its drafts start with its second.
-A request gets no drafts while it uses structured outputs or host-side logits processing
-(penalties, bias, bad words, min_tokens: its tokens come from the host), or when one more token
+A request gets no drafts while it uses structured outputs, host-side logits processing
+(penalties, bias: its tokens come from the host) or rules that ban tokens (min_tokens, bad
+words, allowed tokens: a mask each step), or when one more token
 ends it (or reaches max_model_len); a decode batch larger than the largest verify program
 decodes without drafts (a model drafter then drafts nothing).
 """
@@ -177,13 +178,12 @@ def run_verify(model, rows) -> tuple:
 
 def wants_drafts(request: CachedRequest) -> bool:
     """Whether a request's next step may verify drafts (see the module docstring)."""
-    from vllm_aot.plugin.requests import needs_logits_processing
+    from vllm_aot.plugin.requests import bans_tokens, needs_logits_processing
 
     params = request.params
     remaining = request.max_tokens - len(request.output_token_ids)
-    return (
-        params.structured_outputs is None and not needs_logits_processing(params) and remaining > 1
-    )
+    is_plain = not (needs_logits_processing(params) or bans_tokens(params))
+    return params.structured_outputs is None and is_plain and remaining > 1
 
 
 def _num_drafts(
