@@ -22,7 +22,7 @@ from tests.engine_loop import (
     make_request,
     make_scheduler,
 )
-from vllm_aot.plugin import runner as runner_module
+from vllm_aot.plugin import logits as logits_module
 from vllm_aot.plugin.faults import RequestError, is_per_request
 from vllm_aot.plugin.runner import AotModelRunner
 
@@ -115,7 +115,7 @@ def test_a_failed_prefill_leaves_nothing_in_the_prefix_cache(engine, loop_model,
 
 def test_host_side_processing_failure_ends_its_row_alone(engine, monkeypatch):
     """B's penalty processing fails on its third token; A, decoding beside it, is untouched."""
-    process_logits = runner_module.process_logits
+    process_logits = logits_module.process_logits
     calls = []
 
     def third_call_fails(logits, request):
@@ -124,7 +124,7 @@ def test_host_side_processing_failure_ends_its_row_alone(engine, monkeypatch):
             raise RuntimeError("planted failure")
         return process_logits(logits, request)
 
-    monkeypatch.setattr(runner_module, "process_logits", third_call_fails)
+    monkeypatch.setattr(logits_module, "process_logits", third_call_fails)
     engine.add("A", 20)
     engine.add("B", 20, repetition_penalty=1.5)
     engine.run()

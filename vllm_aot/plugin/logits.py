@@ -14,7 +14,7 @@ Logprobs stay vLLM's raw ones, of the row's unprocessed, unmasked logits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,11 +33,12 @@ from vllm_aot.runtime.sampler import SamplerOutput, mask_words, sample_rows
 
 def resample(
     logits: torch.Tensor,
-    processed: torch.Tensor,
+    processed: Sequence[torch.Tensor],
     sampling: Sequence[RowSampling],
     config: RuntimeConfig,
 ) -> SamplerOutput:
-    """Rows' raw logits and their processed copies, both [rows, vocab] float32 -> a SamplerOutput
+    """Rows' raw logits [rows, vocab] float32 and their processed copies ([vocab] each, in
+    order: `process_logits`) -> a SamplerOutput
     of those rows, each token drawn from its processed row by the head's own kernels (the draw
     and the logprob statistics the head programs call, or their torch references where kernels
     do not build); logprobs, ranks and the top-n from the raw rows.
@@ -49,10 +50,49 @@ def resample(
         is_greedy=all(s.params.is_greedy for s in sampling),
         num_logprobs=config.num_logprobs,
         num_candidates=config.num_sampling_candidates,
-        processed=processed,
+        processed=torch.stack(list(processed)),
         draw=sample_tokens_kernel(sampling_impl()),
         stats=logprob_stats_kernel(logprobs_impl()),
     )
+
+
+def draw_processed(
+    logits: torch.Tensor,
+    requests: Sequence[CachedRequest],
+    sampling: Sequence[RowSampling],
+    config: RuntimeConfig,
+    *,
+    on_failure: Callable[[Exception, list[str]], None],
+) -> list[tuple[CachedRequest, SamplerOutput, int]]:
+    """The rows of a step that need host-side processing, their raw logits [rows, vocab]
+    float32: each row processed (`process_logits`; a failure there is its request's alone),
+    then the rest drawn together (`resample`; a failure there is theirs), failures reported to
+    `on_failure(exc, req_ids)`. Each drawn request with the output holding it and its row."""
+    kept = []
+    for i, request in enumerate(requests):
+        try:
+            kept.append((i, request, process_logits(logits[i], request)))
+        except Exception as exc:
+            on_failure(exc, [request.req_id])
+    if not kept:
+        return []
+    rows, drawn, processed = zip(*kept, strict=True)
+    try:
+        out = resample(logits[list(rows)], processed, [sampling[i] for i in rows], config)
+    except Exception as exc:
+        on_failure(exc, [r.req_id for r in drawn])
+        return []
+    return [(request, out, j) for j, request in enumerate(drawn)]
+
+
+def grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
+    """req_id -> packed int32 vocabulary mask, for structured-output requests this step."""
+    if grammar_output is None:
+        return {}
+    bitmask = torch.from_numpy(np.asarray(grammar_output.grammar_bitmask, dtype=np.int32))
+    return {
+        req_id: bitmask[i] for i, req_id in enumerate(grammar_output.structured_output_request_ids)
+    }
 
 
 def vocab_mask(

@@ -175,6 +175,19 @@ def _max_logprobs(requested: int, num_logprobs: int) -> int:
     return requested
 
 
+def _is_async(scheduler_config, runtime, spec_config) -> bool:
+    """Whether steps are scheduled asynchronously: vLLM's choice (before CpuPlatform's veto),
+    except for pooling models and speculative decoding."""
+    is_async = bool(scheduler_config.async_scheduling)
+    if is_async and runtime.runner == "pooling":  # vLLM's default for pooling models too
+        logger.warning("vllm-aot: pooling models are scheduled synchronously")
+        return False
+    if is_async and spec_config is not None:  # vLLM keeps it on for draft_model
+        logger.warning("vllm-aot: speculative decoding is scheduled synchronously")
+        return False
+    return is_async
+
+
 def _refuse_uncached(model: str, options) -> None:
     """--require-cached: fail in the front end, before any process starts, naming what is cached."""
     from vllm_aot.cache.program_cache import ProgramCache
@@ -299,13 +312,7 @@ class AotPlatform(CpuPlatform):
             options = dataclasses.replace(options, stats_file=_stats_file())
         options = dataclasses.replace(options, **plan._asdict())
         register_collector(options.stats_file)
-        is_async = bool(scheduler_config.async_scheduling)  # vLLM's choice, CpuPlatform's veto
-        if is_async and runtime.runner == "pooling":  # vLLM's default for pooling models too
-            logger.warning("vllm-aot: pooling models are scheduled synchronously")
-            is_async = False
-        if is_async and spec_config is not None:  # vLLM keeps it on for draft_model
-            logger.warning("vllm-aot: speculative decoding is scheduled synchronously")
-            is_async = False
+        is_async = _is_async(scheduler_config, runtime, spec_config)
         super().check_and_update_config(vllm_config)
         scheduler_config.async_scheduling = is_async
         if is_async and vllm_config.parallel_config.world_size == 1:  # steps on their thread

@@ -36,7 +36,7 @@ from vllm.v1.outputs import (
 )
 
 from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
-from vllm_aot.plugin.logits import process_logits, resample, vocab_mask
+from vllm_aot.plugin.logits import draw_processed, grammar_masks, vocab_mask
 from vllm_aot.plugin.prompt_logprobs import PromptLogprobs
 from vllm_aot.plugin.requests import (
     CachedRequest,
@@ -273,7 +273,7 @@ class AotModelRunner:
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         step, self._pending = self._pending, None
-        masks = _grammar_masks(grammar_output)
+        masks = grammar_masks(grammar_output)
         sampled: dict[str, Sampled] = {}
         prompt_logprobs: dict[str, LogprobsTensors] = {}
         for layer in step.layers:
@@ -293,7 +293,7 @@ class AotModelRunner:
         """The head over one program run; rows needing logits processing re-sampled on the host
         (a failure there ends that row's request alone)."""
         known = [r.drafts if layer.verify is None else () for r in layer.rows]  # multi-step
-        vocab_size = self.model.arch.vocab_size
+        vocab_size, config = self.model.arch.vocab_size, self.model.config
         sampling = [
             RowSampling(
                 r.request.sampling,
@@ -309,35 +309,25 @@ class AotModelRunner:
             out, num_accepted = self.model.sample_verify(layer.hidden, layer.verify, sampling)
             n = layer.verify.key.num_positions  # head rows per row
         sampled: dict[str, Sampled] = {}
-        processed: list[tuple[int, CachedRequest, torch.Tensor]] = []  # (row, request, logits)
+        processed: list[int] = []  # rows drawn again after host-side processing
         for i, row in enumerate(layer.rows):
             if not row.is_complete:
                 continue
             request = row.request
-            if not needs_logits_processing(request.params):  # rows with drafts never do
-                count = 1 if num_accepted is None else 1 + int(num_accepted[i])
-                sampled[request.req_id] = Sampled(
-                    out, i * n, request.params.logprobs, count, known[i]
-                )
+            if needs_logits_processing(request.params):  # rows with drafts never do
+                processed.append(i)
                 continue
-            try:
-                with self.model.spans("logits_processing"):
-                    processed.append((i, request, process_logits(out.logits[i * n], request)))
-            except Exception as exc:
-                self._fail(exc, [request.req_id], failed)
-        if not processed:
-            return sampled
-        rows, requests, logits = zip(*processed, strict=True)
-        try:  # the processed rows drawn together, in one call of the head's kernels
-            with self.model.spans("logits_processing"):
-                raw = out.logits[[i * n for i in rows]]
-                resampled = resample(
-                    raw, torch.stack(logits), [sampling[i] for i in rows], self.model.config
-                )
-        except Exception as exc:
-            self._fail(exc, [r.req_id for r in requests], failed)
-            return sampled
-        for j, request in enumerate(requests):
+            count = 1 if num_accepted is None else 1 + int(num_accepted[i])
+            sampled[request.req_id] = Sampled(out, i * n, request.params.logprobs, count, known[i])
+        with self.model.spans("logits_processing"):
+            redrawn = draw_processed(
+                out.logits[[i * n for i in processed]],
+                [layer.rows[i].request for i in processed],
+                [sampling[i] for i in processed],
+                config,
+                on_failure=lambda exc, req_ids: self._fail(exc, req_ids, failed),
+            )
+        for request, resampled, j in redrawn:
             sampled[request.req_id] = Sampled(resampled, j, request.params.logprobs)
         return sampled
 
@@ -375,16 +365,6 @@ class AotModelRunner:
         """The drafts proposed after the last step, once (vLLM's engine asks after each step)."""
         drafts, self._drafts = self._drafts, None
         return drafts
-
-
-def _grammar_masks(grammar_output) -> dict[str, torch.Tensor]:
-    """req_id -> packed int32 vocabulary mask, for structured-output requests this step."""
-    if grammar_output is None:
-        return {}
-    bitmask = torch.from_numpy(np.asarray(grammar_output.grammar_bitmask, dtype=np.int32))
-    return {
-        req_id: bitmask[i] for i, req_id in enumerate(grammar_output.structured_output_request_ids)
-    }
 
 
 def _logprobs(entries: Sequence[Sampled | None]) -> LogprobsLists | None:
