@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
-from vllm_aot.plugin.front_end import MIN_CORES_TO_RESERVE, front_end_nice, split_cores
+from vllm_aot.plugin.front_end import IDLE, MIN_CORES_TO_RESERVE, front_end_nice, split_cores
 
 
-def test_front_end_nice_reads_0_to_19_and_names_the_range_otherwise():
+def test_front_end_nice_reads_0_to_19_or_idle_and_names_the_range_otherwise():
     assert front_end_nice({}) == 0
     assert front_end_nice({"VLLM_AOT_FRONT_END_NICE": " 19 "}) == 19
+    assert front_end_nice({"VLLM_AOT_FRONT_END_NICE": "idle"}) == IDLE
     for bad in ("20", "-1", "high"):
-        with pytest.raises(ValueError, match=r"VLLM_AOT_FRONT_END_NICE.*from 0 to 19"):
+        with pytest.raises(ValueError, match=r"VLLM_AOT_FRONT_END_NICE.*from 0 to 19, or idle"):
             front_end_nice({"VLLM_AOT_FRONT_END_NICE": bad})
 
 
@@ -105,3 +106,25 @@ os.waitpid(pid, 0)
 """
     )
     assert out == "True True True"
+
+
+def test_idle_puts_the_lowered_threads_at_sched_idle_and_keeps_the_kept_one():
+    out = run(
+        """
+import os, threading
+from vllm_aot.plugin.front_end import IDLE, lower_python_threads
+stop = threading.Event(); ids = {}
+def wait(): ids[threading.current_thread().name] = threading.get_native_id(); stop.wait()
+step = threading.Thread(target=wait, name="step"); step.start()
+while len(ids) < 1: pass
+lower_python_threads(IDLE, keep=(ids["step"],))
+late = threading.Thread(target=wait, name="late"); late.start()
+while len(ids) < 2: pass
+def policy(tid): return os.sched_getscheduler(tid) == os.SCHED_IDLE
+def nice(tid): return os.getpriority(os.PRIO_PROCESS, tid)
+print(policy(ids["step"]), nice(ids["step"]), policy(threading.get_native_id()),
+      nice(threading.get_native_id()), policy(ids["late"]))
+stop.set()
+"""
+    )
+    assert out == "False 0 True 19 True"

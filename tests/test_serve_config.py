@@ -299,6 +299,6 @@ def test_replicas_start_with_short_spins_huge_pages_and_a_lowered_front_end_unle
         monkeypatch.delenv(name, raising=False)
     env = server_env()
     assert (env["GOMP_SPINCOUNT"], env["THP_MEM_ALLOC_ENABLE"]) == ("10000", "1")
-    assert env["VLLM_AOT_FRONT_END_NICE"] == "19"
+    assert env["VLLM_AOT_FRONT_END_NICE"] == "idle"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's choice stands
     assert server_env()["THP_MEM_ALLOC_ENABLE"] == "0"

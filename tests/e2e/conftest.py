@@ -40,7 +40,7 @@ SERVER_ENV = {
     "VLLM_LOGGING_LEVEL": "INFO",
     "VLLM_AOT_ENGINE_FORK": "1",
     "GOMP_SPINCOUNT": "10000",  # as vllm-aot serve sets it (serve/launch.py)
-    "VLLM_AOT_FRONT_END_NICE": "19",  # likewise
+    "VLLM_AOT_FRONT_END_NICE": "idle",  # likewise
 }
 
 

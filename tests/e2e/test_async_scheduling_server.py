@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import SERVER_ARGS, SERVER_ENV, SHAPE_ARGS
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS
+from vllm_aot.plugin.front_end import IDLE
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
 
@@ -79,8 +80,12 @@ def server_processes(port: int) -> tuple[int, int]:
 
 
 def thread_nice(pid: int) -> dict[int, int]:
-    tids = os.listdir(f"/proc/{pid}/task")
-    return {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tids}
+    """Each thread's nice value, 20 for nice 19 at SCHED_IDLE (`front_end.IDLE`)."""
+    levels = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        is_idle = os.sched_getscheduler(tid) == os.SCHED_IDLE
+        levels[tid] = os.getpriority(os.PRIO_PROCESS, tid) + is_idle
+    return levels
 
 
 def thread_cores(pid: int) -> dict[int, set[int]]:
@@ -89,9 +94,9 @@ def thread_cores(pid: int) -> dict[int, set[int]]:
 
 def test_the_front_end_runs_below_the_step_threads_and_on_its_own_core(tiny_model_dirs, tmp_path):
     """As `vllm-aot serve` starts a server: its API server, then the engine's own threads, at
-    nice 19; the step thread and its OpenMP team at 0. With a core reserved for the front end
-    (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), the API server and the engine's own threads run on the
-    last core, the step thread on the others, and requests are answered."""
+    SCHED_IDLE; the step thread and its OpenMP team at nice 0. With a core reserved for the
+    front end (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), the API server and the engine's own threads
+    run on the last core, the step thread on the others, and requests are answered."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a core for the front end needs two")
@@ -107,11 +112,11 @@ def test_the_front_end_runs_below_the_step_threads_and_on_its_own_core(tiny_mode
     with running_server(command, port=port, env=env, log_path=tmp_path / "log") as url:
         api_server, engine = server_processes(port)
         deadline = time.monotonic() + 30  # it lowers itself once the engine has forked
-        while set(thread_nice(api_server).values()) != {19} and time.monotonic() < deadline:
+        while set(thread_nice(api_server).values()) != {IDLE} and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert set(thread_nice(api_server).values()) == {19}
+        assert set(thread_nice(api_server).values()) == {IDLE}
         engine_threads = thread_nice(engine)
-        assert engine_threads[engine] == 19  # the engine's main thread: scheduling, outputs
+        assert engine_threads[engine] == IDLE  # the engine's main thread: scheduling, outputs
         assert 0 in engine_threads.values()  # the step thread (and its OpenMP team)
 
         front_end, compute = {cores[-1]}, set(cores[:-1])

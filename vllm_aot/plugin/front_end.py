@@ -8,8 +8,14 @@ threads wait for it: a front end costing 2 ms of CPU a token cost one stream 2-3
 value), the front end instead takes the moments a core is idle: the step's serial host work, the
 gaps between steps.
 
-`VLLM_AOT_FRONT_END_NICE` (0-19; `vllm-aot serve` sets 19, plain vLLM leaves it unset, which is
-0: nothing changes) is the nice value the front end's threads get:
+`VLLM_AOT_FRONT_END_NICE` (0-19, or `idle`; `vllm-aot serve` sets `idle`, plain vLLM leaves it
+unset, which is 0: nothing changes) is the nice value the front end's threads get, or for
+`idle` nice 19 and Linux's `SCHED_IDLE` policy: below every nice value, such a thread never
+preempts a compute thread and runs where a core would otherwise idle (with OpenMP's waiting
+threads spinning briefly, as `vllm-aot serve`'s `GOMP_SPINCOUNT` has them; with libgomp's
+default spin the cores never idle and the front end starves). At nice 19 a front-end thread
+still took a compute thread's core for a scheduler slice now and then; at `SCHED_IDLE` one
+stream served 1.16-1.32x the tokens (docs/benchmarks.md, "The front end at SCHED_IDLE"):
 
 - in the engine's process, under async scheduling (`plugin/async_steps.py`) with one rank (the
   worker in the engine's process), every Python thread but the step thread, once it has started:
@@ -43,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 NICE_ENV = "VLLM_AOT_FRONT_END_NICE"
 MAX_NICE = 19
+IDLE = MAX_NICE + 1  # `idle`: nice 19 and the SCHED_IDLE policy
 RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own name and meaning (its CPU backend)
 # Below this many cores the front end shares them with the step's threads (at its nice value);
 # from here on one is its own. On 2 cores (docs/benchmarks.md, "A core for the front end") one
@@ -54,16 +61,18 @@ ENGINE_TITLE = "VLLM::Engine"  # the start of an engine process's name (vLLM's p
 
 
 def front_end_nice(environ: dict[str, str] | None = None) -> int:
-    """The nice value asked for the front end's threads; 0 when unset."""
+    """The nice value asked for the front end's threads (`IDLE` for `idle`); 0 when unset."""
     value = (os.environ if environ is None else environ).get(NICE_ENV, "").strip()
     if not value:
         return 0
+    if value == "idle":
+        return IDLE
     try:
         nice = int(value)
     except ValueError:
         nice = -1
     if not 0 <= nice <= MAX_NICE:
-        raise ValueError(f"{NICE_ENV}={value!r}: expected an integer from 0 to {MAX_NICE}")
+        raise ValueError(f"{NICE_ENV}={value!r}: expected an integer from 0 to {MAX_NICE}, or idle")
     return nice
 
 
@@ -115,10 +124,13 @@ def python_threads(*, keep: Collection[int]) -> list[int]:
 
 
 def lower_thread(native_id: int, nice: int) -> bool:
-    """Thread `native_id` to at least `nice`; False when it has gone meanwhile."""
+    """Thread `native_id` to at least `nice` (`IDLE`: nice 19 and SCHED_IDLE); False when it
+    has gone meanwhile."""
     try:
-        if os.getpriority(os.PRIO_PROCESS, native_id) < nice:
-            os.setpriority(os.PRIO_PROCESS, native_id, nice)
+        if os.getpriority(os.PRIO_PROCESS, native_id) < min(nice, MAX_NICE):
+            os.setpriority(os.PRIO_PROCESS, native_id, min(nice, MAX_NICE))
+        if nice == IDLE and os.sched_getscheduler(native_id) != os.SCHED_IDLE:
+            os.sched_setscheduler(native_id, os.SCHED_IDLE, os.sched_param(0))
     except (ProcessLookupError, PermissionError):
         return False
     return True
@@ -158,7 +170,8 @@ def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threadi
         while not any(name.startswith(ENGINE_TITLE) for name in _child_names()):
             time.sleep(poll_seconds)
         if nice > 0:
-            logger.info("vllm-aot: the API server's threads run at nice %d (%s)", nice, NICE_ENV)
+            level = "SCHED_IDLE" if nice == IDLE else f"nice {nice}"
+            logger.info("vllm-aot: the API server's threads run at %s (%s)", level, NICE_ENV)
             lower_process(nice)
         if _reserved:
             logger.info("vllm-aot: the API server runs on cores %s", list(_reserved))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
-from vllm_aot.plugin.front_end import MAX_NICE, NICE_ENV
+from vllm_aot.plugin.front_end import NICE_ENV
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.cores import available_cores, format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.pool import ReplicaPool
@@ -151,8 +151,8 @@ def server_env() -> dict[str, str]:
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # The front end (API server, the engine's scheduling and output threads) runs below the
     # step's threads, in the moments a core is idle, instead of stalling a parallel loop
-    # (plugin/front_end.py).
-    env.setdefault(NICE_ENV, str(MAX_NICE))
+    # (plugin/front_end.py): SCHED_IDLE, which the short OpenMP spin above leaves room for.
+    env.setdefault(NICE_ENV, "idle")
     return env
 
 
