@@ -64,44 +64,24 @@ stop.set()
     assert out == "0 12 12 12 False"
 
 
-def test_the_api_server_lowers_itself_only_once_the_engine_has_forked():
-    out = run(
-        """
-import os, time
-from vllm_aot.plugin.front_end import lower_after_engine_forks
-watcher = lower_after_engine_forks(7, poll_seconds=0.05)
-time.sleep(0.3)
-before = os.getpriority(os.PRIO_PROCESS, 0)
-pid = os.fork()
-if pid == 0:
-    open("/proc/self/comm", "w").write("VLLM::EngineCore")
-    time.sleep(2)
-    os._exit(0)
-watcher.join(10)
-print(before, os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, pid))
-os.waitpid(pid, 0)
-"""
-    )
-    assert out == "0 7 0"
-
-
-def test_the_api_server_moves_to_the_front_end_cores_once_the_engine_has_forked():
+def test_the_api_server_lowers_itself_and_moves_to_its_cores_once_the_engine_has_forked():
     out = run(
         """
 import os, time
 from vllm_aot.plugin.front_end import lower_after_engine_forks, reserve_front_end
 cores = sorted(os.sched_getaffinity(0))
 reserve_front_end(cores[-1:])  # what the platform decides when it configures the engine
-watcher = lower_after_engine_forks(0, poll_seconds=0.05)
+watcher = lower_after_engine_forks(7, poll_seconds=0.05)
 time.sleep(0.3)
-before = os.sched_getaffinity(0) == set(cores)
+def state(pid): return os.getpriority(os.PRIO_PROCESS, pid), sorted(os.sched_getaffinity(pid))
+before = state(0)
 pid = os.fork()
 if pid == 0:
     open("/proc/self/comm", "w").write("VLLM::EngineCore")
     time.sleep(2)
     os._exit(0)
 watcher.join(10)
-print(before, os.sched_getaffinity(0) == {cores[-1]}, os.sched_getaffinity(pid) == set(cores))
+print(before == (0, cores), state(0) == (7, cores[-1:]), state(pid) == (0, cores))
 os.waitpid(pid, 0)
 """
     )
