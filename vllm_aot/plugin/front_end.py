@@ -28,12 +28,12 @@ A priority only ever goes down here: a thread already nicer than asked keeps its
 
 Cores of its own. `VLLM_CPU_NUM_OF_RESERVED_CPU` (vLLM's CPU backend's knob, with the same
 meaning: cores kept from the model's OpenMP threads for everything else) takes the last N of the
-server's cores for the front end (`split_cores`); by default none on fewer than
-`MIN_CORES_TO_RESERVE` cores, one from there on. The platform decides once, where the steps
-have a thread of their own (async scheduling, one rank), and the decision travels to the engine
-in its options: there the same threads that are lowered are also pinned to the front end's
-cores (`pin_threads`), and the step thread, with the OpenMP team it starts, to the rest, one
-compute thread a core; the API server pins itself there once the engine has forked.
+server's cores for the front end (`split_cores`); by default, under `vllm-aot serve`, none on
+fewer than `MIN_CORES_TO_RESERVE` cores and one from there on. The platform decides once, where
+the steps have a thread of their own (async scheduling, one rank), and the decision travels to
+the engine in its options: there the same threads that are lowered are also pinned to the front
+end's cores (`pin_threads`), and the step thread, with the OpenMP team it starts, to the rest,
+one compute thread a core; the API server pins itself there once the engine has forked.
 """
 
 from __future__ import annotations
@@ -79,13 +79,16 @@ def front_end_nice(environ: dict[str, str] | None = None) -> int:
 def split_cores(
     cores: Collection[int], environ: dict[str, str] | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(compute cores, front-end cores) of `cores`: the last `VLLM_CPU_NUM_OF_RESERVED_CPU`
-    (default: 1 from `MIN_CORES_TO_RESERVE` cores on, else 0) for the front end, the rest for
-    the model's threads; no front-end cores when that would leave none to compute on."""
+    """(compute cores, front-end cores) of `cores`: the last `VLLM_CPU_NUM_OF_RESERVED_CPU` for
+    the front end, the rest for the model's threads; no front-end cores when that would leave
+    none to compute on. Unset, one from `MIN_CORES_TO_RESERVE` cores on where the front end is
+    lowered (`VLLM_AOT_FRONT_END_NICE`, as `vllm-aot serve` sets it), else none: a library
+    user's process is not pinned unless asked."""
     cores = tuple(sorted(cores))
-    value = (os.environ if environ is None else environ).get(RESERVED_ENV, "").strip()
+    environ = os.environ if environ is None else environ
+    value = environ.get(RESERVED_ENV, "").strip()
     if not value:
-        reserved = int(len(cores) >= MIN_CORES_TO_RESERVE)
+        reserved = int(len(cores) >= MIN_CORES_TO_RESERVE and front_end_nice(environ) > 0)
     else:
         try:
             reserved = int(value)
