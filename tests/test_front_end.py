@@ -36,6 +36,15 @@ def test_the_front_end_gets_the_last_cores_asked_for_and_one_by_default_on_big_m
             split_cores([0, 1], {key: bad})
 
 
+# A child process named as vLLM's engine, `pid`, alive for two seconds (scripts format it in).
+FORK_ENGINE = """pid = os.fork()
+if pid == 0:
+    open("/proc/self/comm", "w").write("VLLM::EngineCore")
+    time.sleep(2)
+    os._exit(0)
+"""
+
+
 def run(script: str) -> str:
     """`script` in a fresh interpreter (priorities only go up: not in the test process)."""
     done = subprocess.run(
@@ -68,21 +77,16 @@ stop.set()
 
 def test_the_api_server_lowers_itself_and_moves_to_its_cores_once_the_engine_has_forked():
     out = run(
-        """
+        f"""
 import os, time
-from vllm_aot.plugin.front_end import lower_after_engine_forks, reserve_front_end
+from vllm_aot.plugin.front_end import lower_after_engine_forks, plan_front_end
 cores = sorted(os.sched_getaffinity(0))
-reserve_front_end(cores[-1:])  # what the platform decides when it configures the engine
+plan_front_end(cores[-1:], is_async=True)  # what the platform decides for the engine
 watcher = lower_after_engine_forks(7, poll_seconds=0.05)
 time.sleep(0.3)
 def state(pid): return os.getpriority(os.PRIO_PROCESS, pid), sorted(os.sched_getaffinity(pid))
 before = state(0)
-pid = os.fork()
-if pid == 0:
-    open("/proc/self/comm", "w").write("VLLM::EngineCore")
-    time.sleep(2)
-    os._exit(0)
-watcher.join(10)
+{FORK_ENGINE}watcher.join(10)
 print(before == (0, cores), state(0) == (7, cores[-1:]), state(pid) == (0, cores))
 os.waitpid(pid, 0)
 """
@@ -110,3 +114,18 @@ stop.set()
 """
     )
     assert out == "False 0 True 19 True"
+
+
+def test_under_synchronous_scheduling_idle_lowers_the_api_server_to_nice_19_only():
+    out = run(
+        f"""
+import os, time
+from vllm_aot.plugin.front_end import IDLE, lower_after_engine_forks, plan_front_end
+plan_front_end((), is_async=False)  # pooling, speculative decoding
+watcher = lower_after_engine_forks(IDLE, poll_seconds=0.05)
+{FORK_ENGINE}watcher.join(10)
+print(os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) == os.SCHED_IDLE)
+os.waitpid(pid, 0)
+"""
+    )
+    assert out == "19 False"

@@ -152,30 +152,35 @@ def lower_process(nice: int) -> list[int]:
     return [tid for tid in _own_threads() if lower_thread(tid, nice)]
 
 
-def reserve_front_end(cores: Collection[int]) -> None:
-    """Record the front end's cores this process's configuration chose (the platform does, in
-    the API server's process, before the engine starts); `lower_after_engine_forks` pins this
-    process there."""
-    global _reserved
-    _reserved = tuple(cores)
+def plan_front_end(cores: Collection[int], *, is_async: bool) -> None:
+    """Record what this process's configuration chose (the platform does, in the API server's
+    process, before the engine starts) for `lower_after_engine_forks`: the front end's cores,
+    and whether steps run on a thread of their own. Under synchronous scheduling (pooling,
+    speculative decoding) the API server feeds the engine prompts while a step computes, and at
+    SCHED_IDLE it waited for the step's end to hand over the rest: there `idle` lowers it to
+    nice 19 only."""
+    global _reserved, _is_async
+    _reserved, _is_async = tuple(cores), is_async
 
 
 _reserved: tuple[int, ...] = ()
+_is_async = True
 
 
 def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threading.Thread:
     """A daemon thread that, once a child process named as vLLM's engine (`ENGINE_TITLE`)
     exists, lowers this process (`lower_process`) and pins it to the front end's cores when the
-    configuration reserved some (`reserve_front_end`): the engine forks from this process, so
+    configuration reserved some (`plan_front_end`): the engine forks from this process, so
     doing either earlier would do it to the engine too."""
 
     def wait_then_lower() -> None:
         while not any(name.startswith(ENGINE_TITLE) for name in _child_names()):
             time.sleep(poll_seconds)
-        if nice > 0:
-            level = "SCHED_IDLE" if nice == IDLE else f"nice {nice}"
-            logger.info("vllm-aot: the API server's threads run at %s (%s)", level, NICE_ENV)
-            lower_process(nice)
+        level = nice if _is_async else min(nice, MAX_NICE)
+        if level > 0:
+            name = "SCHED_IDLE" if level == IDLE else f"nice {level}"
+            logger.info("vllm-aot: the API server's threads run at %s (%s)", name, NICE_ENV)
+            lower_process(level)
         if _reserved:
             logger.info("vllm-aot: the API server runs on cores %s", list(_reserved))
             pin_threads(_own_threads(), _reserved)

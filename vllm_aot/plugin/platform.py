@@ -21,7 +21,7 @@ import vllm.envs as envs
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
-from vllm_aot.plugin.front_end import reserve_front_end, split_cores
+from vllm_aot.plugin.front_end import plan_front_end, split_cores
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
@@ -315,10 +315,11 @@ class AotPlatform(CpuPlatform):
         is_async = _is_async(scheduler_config, runtime, spec_config)
         super().check_and_update_config(vllm_config)
         scheduler_config.async_scheduling = is_async
+        front_end = ()
         if is_async and vllm_config.parallel_config.world_size == 1:  # steps on their thread
             _, front_end = split_cores(os.sched_getaffinity(0))  # the engine's: it forks from here
             options = dataclasses.replace(options, front_end_cores=front_end)
-            reserve_front_end(front_end)  # the API server moves there once the engine forks
+        plan_front_end(front_end, is_async=is_async)  # the API server's, once the engine forks
         if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
             # Fork the engine process from the front end instead of spawning a fresh interpreter
             # that imports vLLM again (~12 s here). `vllm-aot serve` asks for it: its front end
