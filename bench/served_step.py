@@ -10,9 +10,9 @@ by up to ~14 %, the mean the higher). The runtime runs on the cores and threads 
 steps get (with `VLLM_CPU_NUM_OF_RESERVED_CPU=1`, all but the front end's core). Both sides get
 the same prompt (token ids), 128 new tokens after it and the same sampling (temperature 1, as
 `vllm bench serve` leaves it, or `--temperature 0` for greedy), so the ratio is what the server
-adds around the programs. The
-host's speed moves from minute to minute (here by over half): a runtime pass and a served
-request alternate, seconds apart, and each pair's ratio is read off its own two figures.
+adds around the programs. The host's speed moves from minute to minute (here by over half): a
+runtime pass and a served request alternate, seconds apart, and each pair's ratio is read off
+its own two figures.
 
     .venv/bin/python bench/served_step.py [--artifact DIR] [--pairs 8]
 """
@@ -38,6 +38,7 @@ from vllm_aot.loading.artifacts import export_model, is_artifact_dir
 from vllm_aot.models.prepare import prepare_default_model
 from vllm_aot.plugin.front_end import split_cores
 from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.serve.launch import GOMP_SPINCOUNT, server_env
 
 PROMPT_LEN = 128
 NEW_TOKENS = 128
@@ -57,8 +58,9 @@ def runtime_passes(artifact: Path, temperature: float) -> None:
     from vllm_aot.runtime.sampler import SamplingParams
 
     # The server's steps' configuration: its compute cores (all of them, or those left beside a
-    # core reserved for the front end: VLLM_CPU_NUM_OF_RESERVED_CPU), a thread each.
-    compute, _ = split_cores(os.sched_getaffinity(0))
+    # core reserved for the front end), a thread each; split as under `vllm-aot serve`'s
+    # environment, whose defaults decide the reservation.
+    compute, _ = split_cores(os.sched_getaffinity(0), server_env())
     os.sched_setaffinity(0, compute)
     torch.set_num_threads(len(compute))
     model, _ = load_model(artifact, CONFIG)
@@ -128,7 +130,6 @@ def main() -> None:
     if args.runtime_child:
         runtime_passes(args.artifact, args.temperature)
         return
-    from vllm_aot.serve.launch import GOMP_SPINCOUNT
     from vllm_aot.testing import free_port, running_server, stop_process
 
     work = Path(tempfile.mkdtemp(prefix="served-step-"))

@@ -257,6 +257,9 @@ def test_bans_are_mask_bits_and_draw_what_banned_logits_would():
     kept = unpack_vocab_mask(vocab_mask(only, None, VOCAB)[None], VOCAB)[0]
     assert torch.nonzero(kept).flatten().tolist() == [2, 31, 32, 999]
     assert vocab_mask(_host_request("p", [1], presence_penalty=1.0), grammar, VOCAB) is grammar
+    reached = _host_request("r", [5, 6, 8], temperature=1.0, min_tokens=2, stop_token_ids=[7])
+    assert vocab_mask(reached, grammar, VOCAB) is grammar  # nothing out this step
+    assert vocab_mask(reached, None, VOCAB) is None
 
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
     params = SamplingParams(temperature=1.0).normalized()

@@ -167,11 +167,14 @@ _reserved: tuple[int, ...] = ()
 _is_async = True
 
 
-def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threading.Thread:
+def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threading.Thread | None:
     """A daemon thread that, once a child process named as vLLM's engine (`ENGINE_TITLE`)
     exists, lowers this process (`lower_process`) and pins it to the front end's cores when the
     configuration reserved some (`plan_front_end`): the engine forks from this process, so
-    doing either earlier would do it to the engine too."""
+    doing either earlier would do it to the engine too. None when neither can happen (no
+    lowering asked and no `VLLM_CPU_NUM_OF_RESERVED_CPU`: `split_cores` reserves nothing)."""
+    if nice <= 0 and not os.environ.get(RESERVED_ENV, "").strip():
+        return None
 
     def wait_then_lower() -> None:
         while not any(name.startswith(ENGINE_TITLE) for name in _child_names()):

@@ -38,10 +38,10 @@ def resample(
     config: RuntimeConfig,
 ) -> SamplerOutput:
     """Rows' raw logits [rows, vocab] float32 and their processed copies ([vocab] each, in
-    order: `process_logits`) -> a SamplerOutput
-    of those rows, each token drawn from its processed row by the head's own kernels (the draw
-    and the logprob statistics the head programs call, or their torch references where kernels
-    do not build); logprobs, ranks and the top-n from the raw rows.
+    order: `process_logits`) -> a SamplerOutput of those rows, each token drawn from its
+    processed row by the head's own kernels (the draw and the logprob statistics the head
+    programs call, or their torch references where kernels do not build); logprobs, ranks and
+    the top-n from the raw rows.
     """
     tensors = prepare_sampling(sampling, len(sampling), logits.shape[-1])
     return sample_rows(
@@ -103,6 +103,17 @@ def vocab_mask(
     params = request.params
     if not bans_tokens(params):
         return grammar
+    banned = []
+    outputs = request.output_token_ids
+    if len(outputs) < params.min_tokens:
+        banned += params.all_stop_token_ids
+    for word in params.bad_words_token_ids or ():
+        prefix = word[:-1]
+        if not prefix or outputs[-len(prefix) :] == prefix:
+            banned.append(word[-1])
+    banned_ids = np.array([t for t in banned if 0 <= t < vocab_size], np.int64)
+    if not params.allowed_token_ids and not len(banned_ids):
+        return grammar  # nothing out this step (min_tokens reached, no bad word's prefix)
     if grammar is None:
         words = np.full(mask_words(vocab_size), -1, dtype=np.int32)
     else:
@@ -113,17 +124,7 @@ def vocab_mask(
         ids = np.array([t for t in params.allowed_token_ids if 0 <= t < vocab_size], np.int64)
         np.bitwise_or.at(allowed, ids >> 5, _bit(ids))
         bits &= allowed
-    banned = []
-    outputs = request.output_token_ids
-    if len(outputs) < params.min_tokens:
-        banned += params.all_stop_token_ids
-    for word in params.bad_words_token_ids or ():
-        prefix = word[:-1]
-        if not prefix or outputs[-len(prefix) :] == prefix:
-            banned.append(word[-1])
-    ids = np.array([t for t in banned if 0 <= t < vocab_size], np.int64)
-    if len(ids):
-        np.bitwise_and.at(bits, ids >> 5, ~_bit(ids))
+    np.bitwise_and.at(bits, banned_ids >> 5, ~_bit(banned_ids))
     return torch.from_numpy(words)
 
 

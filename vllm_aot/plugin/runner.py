@@ -319,6 +319,8 @@ class AotModelRunner:
                 continue
             count = 1 if num_accepted is None else 1 + int(num_accepted[i])
             sampled[request.req_id] = Sampled(out, i * n, request.params.logprobs, count, known[i])
+        if not processed:
+            return sampled
         with self.model.spans("logits_processing"):
             redrawn = draw_processed(
                 out.logits[[i * n for i in processed]],
