@@ -89,11 +89,17 @@ def completion_tokens(payloads: list[str]) -> int:
     return next(u["completion_tokens"] for u in reversed(usage) if u)
 
 
-def wait_all_healthy(url: str, timeout: float = 240) -> None:
+def wait_health(url: str, condition, what: str, timeout: float = 240) -> httpx.Response:
+    """Poll the proxy's /health until `condition(its replicas)` holds; the last answer."""
     deadline = time.monotonic() + timeout
-    while not all(r["healthy"] for r in httpx.get(f"{url}/health", timeout=30).json()["replicas"]):
-        assert time.monotonic() < deadline, "a replica did not become healthy"
-        time.sleep(1)
+    while not condition((health := httpx.get(f"{url}/health", timeout=30)).json()["replicas"]):
+        assert time.monotonic() < deadline, f"not {what} after {timeout:.0f} s"
+        time.sleep(0.2)
+    return health
+
+
+def wait_all_healthy(url: str) -> None:
+    wait_health(url, lambda replicas: all(r["healthy"] for r in replicas), "all healthy")
 
 
 def run_streams(url: str, num_streams: int, max_tokens: int, during=None, first_of=None):
@@ -177,9 +183,9 @@ def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp
         assert payloads[-1] == "[DONE]"
         assert completion_tokens(payloads) == 230
 
-    health = httpx.get(f"{url}/health", timeout=30)
+    # The streams fail as the connection drops; the manager notices the exit on its next tick.
+    health = wait_health(url, lambda replicas: not replicas[0]["healthy"], "replica 0 ejected")
     assert health.status_code == 200  # one replica is enough
-    assert health.json()["replicas"][0]["healthy"] is False
     assert {replica_served(url) for _ in range(4)} == {"1"}
     # The manager restarts it (backoff 1 s) and the health checks re-admit it.
     deadline = time.monotonic() + 240
