@@ -203,14 +203,16 @@ def test_vllm_gives_an_fp8_kv_cache_more_blocks_for_the_same_bytes(tiny_model_di
 
 def test_an_encoder_is_a_pooling_model_with_its_sentence_transformers_pooling(embedding_model_dir):
     """vLLM picks runner pooling for BertModel; we keep vLLM's whole-prompt steps (no chunked
-    prefill for bidirectional attention) and batch several prompts into one encode bucket."""
+    prefill for bidirectional attention), each up to four of the largest encode bucket, which
+    the runner packs into encode programs."""
     config = engine_config(embedding_model_dir, max_num_batched_tokens=512)
     runtime = AotOptions.from_dict(config.additional_config[RESOLVED_KEY]).runtime
     assert runtime.runner == "pooling"
+    assert runtime.max_num_batched_tokens == max(runtime.prefill_token_buckets) == 512
     assert config.model_config.pooler_config.seq_pooling_type == "MEAN"
     assert not config.scheduler_config.enable_chunked_prefill
-    assert config.scheduler_config.scheduler_cls.endswith("ReportingScheduler")
-    assert config.scheduler_config.max_num_batched_tokens == 512
+    assert config.scheduler_config.scheduler_cls.endswith("PoolingScheduler")
+    assert config.scheduler_config.max_num_batched_tokens == 4 * 512
 
 
 def test_dtype_auto_is_one_we_run_for_an_embedding_model_too(embedding_model_dir, tiny_model_dir):
@@ -228,7 +230,8 @@ def test_a_decoder_converted_to_embeddings_keeps_vllms_chunking(tiny_model_dir):
     assert (runtime.runner, runtime.convert) == ("pooling", "embed")
     assert config.model_config.pooler_config.seq_pooling_type == "LAST"
     assert config.scheduler_config.enable_chunked_prefill
-    assert config.scheduler_config.scheduler_cls.endswith("ReportingScheduler")
+    assert config.scheduler_config.scheduler_cls.endswith("PoolingScheduler")
+    assert config.scheduler_config.max_num_batched_tokens == runtime.max_num_batched_tokens
 
 
 def test_a_conversion_we_do_not_serve_is_refused(tiny_model_dir):

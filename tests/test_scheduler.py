@@ -27,7 +27,7 @@ from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 from tests import engine_loop
 from tests.engine_loop import make_block_hasher, make_vllm_config
 from tests.policy_trace import BLOCK_SIZE, SCENARIOS, TraceStep, simulate
-from vllm_aot.plugin.scheduler import AotScheduler
+from vllm_aot.plugin.scheduler import AotScheduler, Gathering, batch_of
 
 SAMPLED = 7  # the token our fake runner always samples (no EOS is set, so never a stop)
 
@@ -296,3 +296,32 @@ def test_grammar_compilation_does_not_block_others(make_scheduler, make_request,
         assert all("G" not in s.scheduled for s in steps)
     assert "A" in [req_id for s in steps for req_id in s.finished]
     assert_never_mixed(steps)
+
+
+def test_a_pooling_prompt_is_known_by_the_request_it_came_in():
+    # vLLM's front end: `<request id>-<i>`; the engine appends `-<8 hex>`.
+    assert batch_of("embd-3f2a9c-0-1a2b3c4d") == "embd-3f2a9c"
+    assert batch_of("embd-3f2a9c-17-1a2b3c4d") == "embd-3f2a9c"
+    assert batch_of("0-1a2b3c4d") is None  # LLM.embed's counter
+    assert batch_of("cmpl-abc-1a2b3c4d") is None
+
+
+def test_a_step_waits_while_a_requests_prompts_arrive_and_no_longer():
+    gathering = Gathering(max_seconds=0.02)
+    assert gathering.hold(["a"] * 2, now=0.0)  # a first look at two: more may follow
+    assert gathering.hold(["a"] * 5, now=0.001)  # still arriving
+    assert not gathering.hold(["a"] * 5, now=0.002)  # none came since the last look: go
+    # A lone first prompt goes at once (a request of one prompt never waits); if more of its
+    # request arrive meanwhile, they are gathered.
+    assert not gathering.hold([None, "b"], now=1.0)
+    assert gathering.hold(["b"] * 3, now=1.005)
+    assert not gathering.hold(["b"] * 3, now=1.006)
+    # Prompts arriving for longer than max_seconds: the step goes with what is there.
+    assert gathering.hold(["c"] * 2, now=2.0)
+    assert gathering.hold(["c"] * 3, now=2.019)
+    assert not gathering.hold(["c"] * 4, now=2.021)
+    # A request's prompts taken by a step are forgotten with it; one still arriving holds.
+    assert not gathering.hold(["c"], now=2.03)
+    assert gathering.hold(["c", "d", "d"], now=2.031)
+    assert not gathering.hold([], now=2.04) and gathering.seen == {}
+    assert not gathering.hold([None, None], now=3.0)  # ids of another form never wait

@@ -38,6 +38,9 @@ _VLLM_DEFAULT_MAX_BATCHED_TOKENS = (2048, 4096)
 DEFAULT_MAX_MODEL_LEN = 2048
 # vLLM's --kv-cache-dtype values we run besides "auto" and the model's dtype ("fp8" = "fp8_e4m3").
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# An encoder's vLLM step holds up to this many of its largest encode programs: a request's whole
+# batch of sentences in one step, packed together by `EncoderModel.steps`.
+ENCODE_PROGRAMS_PER_STEP = 4
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,13 @@ def _default_chunk(runner: str, max_model_len: int) -> int:
     max_model_len."""
     default = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
     return min(default, max_model_len) if runner == "generate" else max(default, max_model_len)
+
+
+def step_token_budget(runtime: RuntimeConfig) -> int:
+    """The tokens vLLM may schedule in one step: the largest prefill or encode program's, or an
+    encoder's `ENCODE_PROGRAMS_PER_STEP` of them (its runner splits a step into programs)."""
+    is_encoder = runtime.runner == "pooling" and runtime.convert is None
+    return runtime.max_num_batched_tokens * (ENCODE_PROGRAMS_PER_STEP if is_encoder else 1)
 
 
 def _check_speculative(asked: int, given: int | None, artifact: str | None = None) -> None:

@@ -23,7 +23,12 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
 from vllm_aot.plugin.front_end import plan_front_end, split_cores
 from vllm_aot.plugin.metrics import register_collector
-from vllm_aot.plugin.options import FP8_KV_CACHE_DTYPES, RESOLVED_KEY, resolve_options
+from vllm_aot.plugin.options import (
+    FP8_KV_CACHE_DTYPES,
+    RESOLVED_KEY,
+    resolve_options,
+    step_token_budget,
+)
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
 from vllm_aot.plugin.spec_decode import (
     draft_plan,
@@ -37,8 +42,9 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its ha
 WORKER_CLS = "vllm_aot.plugin.worker.AotWorker"
 SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_aot.plugin.scheduler.AotAsyncScheduler"
-# Encoders: vLLM's own steps (whole prompts, several a step), failures reported.
-POOLING_SCHEDULER_CLS = "vllm_aot.plugin.scheduler.ReportingScheduler"
+# Pooling models: vLLM's own steps (whole prompts, several a step), each held while a request's
+# prompts still arrive; failures reported.
+POOLING_SCHEDULER_CLS = "vllm_aot.plugin.scheduler.PoolingScheduler"
 
 
 def _refuse_unsupported(vllm_config) -> None:
@@ -336,7 +342,7 @@ class AotPlatform(CpuPlatform):
         model_config.max_model_len = runtime.max_model_len
         scheduler_config.max_model_len = runtime.max_model_len
         scheduler_config.max_num_seqs = runtime.max_num_seqs
-        scheduler_config.max_num_batched_tokens = runtime.max_num_batched_tokens
+        scheduler_config.max_num_batched_tokens = step_token_budget(runtime)
         cache_config.block_size = runtime.block_size
         model_config.max_logprobs = _max_logprobs(model_config.max_logprobs, runtime.num_logprobs)
         vllm_config.parallel_config.worker_cls = WORKER_CLS

@@ -14,7 +14,7 @@ Both pool as the model's pooler configuration says (`--pooler-config`, by defaul
 sentence-transformers directory's for an encoder, LAST for a decoder) and L2-normalise when the
 request's `use_activation` asks (vLLM's default for embeddings). A request the model cannot serve
 (token ids outside the vocabulary, a dimension reduction) fails alone (`faults.py`, reported in
-the output for `ReportingScheduler` to finish).
+the output for `PoolingScheduler` (a `ReportingScheduler`) to finish).
 """
 
 from __future__ import annotations

@@ -12,14 +12,19 @@ This adapter owns what is vLLM's: which waiting requests are ready (grammar comp
 making `super().schedule()` build the chosen step. Requests are held in vLLM's own waiting queue,
 in arrival order; running requests not in this step are set aside for the duration of
 `super().schedule()` only. Requests the runner reports as failed (`faults.py`) finish with
-vLLM's FINISHED_ERROR in `update_from_output` (`ReportingScheduler`, which an encoder's pooling
-runner uses with vLLM's own steps: whole prompts, several a step); the others go on.
+vLLM's FINISHED_ERROR in `update_from_output` (`ReportingScheduler`); the others go on.
+
+A pooling model (`PoolingScheduler`) takes vLLM's own steps, whole prompts, several a step, each
+held while a request's prompts are still arriving (`Gathering`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -34,6 +39,9 @@ from vllm_aot.runtime import policy
 from vllm_aot.runtime.policy import Limits, StepKind
 
 _READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+# The longest a step waits for a request's prompts still arriving (`Gathering`).
+MAX_GATHER_SECONDS = 0.02
 
 
 def is_ready(request: Request) -> bool:
@@ -81,6 +89,61 @@ class ReportingScheduler(Scheduler):
             for block_ids in self.kv_cache_manager.get_block_ids(req_id):
                 self.kv_cache_manager.evict_blocks(set(block_ids))
         return self.finish_requests(live, RequestStatus.FINISHED_ERROR)
+
+
+def batch_of(request_id: str) -> str | None:
+    """The request a pooling prompt came in, from vLLM's ids: its front end names a request's
+    i-th prompt `<request id>-<i>` and the engine appends `-<8 hex>`; None for another form
+    (`LLM.embed`'s prompts are all queued before the first step)."""
+    prompt = request_id.rpartition("-")[0]
+    request, _, index = prompt.rpartition("-")
+    return request if request and index.isdigit() else None
+
+
+@dataclass
+class Gathering:
+    """Whether a step should wait for prompts still arriving. vLLM's front end hands a request
+    of several inputs (`/v1/embeddings` with a list) to the engine one prompt at a time, ~0.1 ms
+    apart; a step started on the first few runs small programs and leaves the rest for more.
+    So a step is held while some request has two or more prompts waiting and more than at the
+    last look, at most `max_seconds` from its first prompt (vLLM's loop looks again 1 ms after
+    a step that ran nothing). A request's lone first prompt is not held: a request of one
+    prompt never waits, and one of many at worst starts with a step of its first."""
+
+    max_seconds: float = MAX_GATHER_SECONDS
+    seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # prompts, first seen
+
+    def hold(self, batches: Iterable[str | None], now: float) -> bool:
+        counts = Counter(b for b in batches if b is not None)
+        hold = False
+        for batch, count in counts.items():
+            num_seen, first = self.seen.get(batch, (0, now))
+            hold |= count > max(num_seen, 1) and now - first < self.max_seconds
+            self.seen[batch] = (count, first)
+        for batch in self.seen.keys() - counts.keys():
+            del self.seen[batch]
+        return hold
+
+
+class PoolingScheduler(ReportingScheduler):
+    """vLLM's steps for pooling models, each held while a request's prompts are still arriving
+    (`Gathering`), so its batch is packed into encode programs together."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gathering = Gathering()
+
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        batches = [batch_of(r.request_id) for r in self.waiting]
+        if not self.gathering.hold(batches, time.monotonic()):
+            return super().schedule(*args, **kwargs)
+        held = list(self.waiting)  # an empty step: vLLM's loop sleeps 1 ms and comes back
+        self.waiting.remove_requests(held)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            for request in held:
+                self.waiting.add_request(request)
 
 
 class AotScheduler(ReportingScheduler):
