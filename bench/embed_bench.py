@@ -3,9 +3,11 @@ on all-MiniLM-L6-v2 (the bundled embedding model), in one run.
 
     .venv/bin/python bench/embed_bench.py [--batches 1,32] [--dtype float32]
                                           [--systems ours,st,vllm] [--num-sentences 256]
+                                          [--rounds 3]
 
 The same sentences (deterministic, 4 to 60 words: 7 to ~80 tokens) for every system, in
-requests of `batch` sentences sent one after another (a warm-up round first, not timed).
+requests of `batch` sentences sent one after another (a warm-up pass first, then the median
+of `--rounds` timed passes).
 sentence-transformers runs in this process (`encode(batch_size=batch)`: each batch padded to
 its longest sentence); ours is `vllm-aot serve --runner pooling` (programs from the compile
 cache, compiled on its first start) and vLLM's is the same vLLM with our plugin off
@@ -56,15 +58,18 @@ def sentences(count: int, seed: int = 0) -> list[str]:
     ]
 
 
-def throughput(embed: Embed, texts: list[str], batch: int) -> tuple[float, np.ndarray]:
-    """Sentences/s over `texts` in batches (after one warm-up pass over the first batches),
-    and every embedding."""
+def throughput(embed: Embed, texts: list[str], batch: int, rounds: int) -> tuple[float, np.ndarray]:
+    """Sentences/s over `texts` in batches, the median of `rounds` timed passes after a
+    warm-up pass (every program and code path a pass takes, run once), and every embedding."""
     batches = [texts[i : i + batch] for i in range(0, len(texts), batch)]
-    for part in batches[:2]:
+    for part in batches:
         embed(part)
-    start = time.perf_counter()
-    out = np.concatenate([embed(part) for part in batches])
-    return len(texts) / (time.perf_counter() - start), out
+    rates = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = np.concatenate([embed(part) for part in batches])
+        rates.append(len(texts) / (time.perf_counter() - start))
+    return float(np.median(rates)), out
 
 
 def http_embed(url: str, model: str) -> Embed:
@@ -103,7 +108,7 @@ def run_system(system: str, model_dir: Path, args, texts: list[str], out_dir: Pa
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         model = SentenceTransformer(str(model_dir), device="cpu", model_kwargs={"dtype": dtype})
         return {
-            b: throughput(lambda t, b=b: model.encode(t, batch_size=b), texts, b)
+            b: throughput(lambda t, b=b: model.encode(t, batch_size=b), texts, b, args.rounds)
             for b in args.batches
         }
     port = free_port()
@@ -113,7 +118,7 @@ def run_system(system: str, model_dir: Path, args, texts: list[str], out_dir: Pa
     with running_server(command, port=port, env=env, log_path=log, timeout=900) as url:
         print(f"{system}: up in {time.perf_counter() - start:.1f} s (log {log})", flush=True)
         embed = http_embed(url, EMBEDDING_MODEL_NAME)
-        return {b: throughput(embed, texts, b) for b in args.batches}
+        return {b: throughput(embed, texts, b, args.rounds) for b in args.batches}
 
 
 def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
@@ -149,6 +154,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--systems", default=",".join(SYSTEMS), type=lambda s: s.split(","))
     parser.add_argument("--num-sentences", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes; the median counts")
     args = parser.parse_args()
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
