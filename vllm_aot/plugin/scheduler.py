@@ -20,10 +20,11 @@ held while a request's prompts are still arriving (`Gathering`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -77,6 +78,17 @@ class ReportingScheduler(Scheduler):
             else:
                 outputs[request.client_index] = EngineCoreOutputs(outputs=[error])
         return outputs
+
+    @contextlib.contextmanager
+    def _held_back(self, requests: list[Request]) -> Iterator[None]:
+        """`requests` out of vLLM's waiting queue while the block runs (so `super().schedule()`
+        does not see them), then back behind anything still waiting, in their order."""
+        self.waiting.remove_requests(requests)
+        try:
+            yield
+        finally:
+            for request in requests:
+                self.waiting.add_request(request)
 
     def _finish_failed(self, failures: Mapping[str, str]) -> list[Request]:
         """Finish failed requests with FINISHED_ERROR (HTTP 500 for them); their blocks leave the
@@ -137,13 +149,8 @@ class PoolingScheduler(ReportingScheduler):
         batches = [batch_of(r.request_id) for r in self.waiting]
         if not self.gathering.hold(batches, time.monotonic()):
             return super().schedule(*args, **kwargs)
-        held = list(self.waiting)  # an empty step: vLLM's loop sleeps 1 ms and comes back
-        self.waiting.remove_requests(held)
-        try:
+        with self._held_back(list(self.waiting)):  # an empty step: vLLM looks again in 1 ms
             return super().schedule(*args, **kwargs)
-        finally:
-            for request in held:
-                self.waiting.add_request(request)
 
 
 class AotScheduler(ReportingScheduler):
@@ -177,14 +184,12 @@ class AotScheduler(ReportingScheduler):
         if step.kind is StepKind.DECODE and len(active) > self.max_verify_rows:
             for request in active:  # no verify program this wide: decode without drafts
                 request.spec_token_ids = []
-        self.waiting.remove_requests(held)
-        self.running = active
-        try:
-            output = super().schedule(*args, **kwargs)
-        finally:
-            self.running = set_aside + self.running
-            for request in held:  # behind anything still waiting, in their original order
-                self.waiting.add_request(request)
+        with self._held_back(held):
+            self.running = active
+            try:
+                output = super().schedule(*args, **kwargs)
+            finally:
+                self.running = set_aside + self.running
         is_prefill = step.kind is not StepKind.DECODE
         prefill_ids = {r.request_id for r in step.requests} if is_prefill else set()
         scheduled = set(output.num_scheduled_tokens)
