@@ -59,8 +59,8 @@ struct Cached {
   // f(t, the element at position t) for t < len, in order; the next block's positions are
   // prefetched as a block starts (a row's blocks are scattered over the pool, and one head's
   // elements of a position are a line or two in a stride of every head's: too sparse for the
-  // hardware prefetcher), into L1 (`kHint`; the AVX512-BF16 loops ask into L2: from DRAM, 8 rows
-  // of SmolLM2's heads at 150 positions, 137 -> 124 us a layer). Always inlined, so that in the
+  // hardware prefetcher), into L1 (`kHint`; the AVX512-BF16 loops ask into L2: see
+  // docs/benchmarks.md#prefetch). Always inlined, so that in the
   // AVX512-BF16 loops (`decode_attention_avx512.h`) `f`, compiled for that target, is inlined too.
   template <decltype(_MM_HINT_T0) kHint = _MM_HINT_T0, class F>
   __attribute__((always_inline)) inline void each(const F& f) const {

@@ -6,9 +6,8 @@
 // logits, kept sorted in a small array that a logit enters only when it beats the smallest kept
 // (eight compared at once against it, so almost every block of eight is one comparison). The
 // logprobs are (x - max) - log(sum), as log_softmax computes them. torch's version (the sampler's
-// reference) materialises the [rows, vocab] logprobs and sorts for topk: ~170 us a row of
-// SmolLM2's 49152 logits in a compiled head, against ~35 here. Equal logits keep the lower id
-// first.
+// reference) materialises the [rows, vocab] logprobs and sorts for topk (see
+// docs/benchmarks.md#head-kernels). Equal logits keep the lower id first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -43,7 +43,8 @@ Isa choose_isa() {
 }
 
 // Many rows: chunks of weight rows dequantised (in parallel) into a buffer and multiplied by
-// aten's GEMM (in parallel) into out's columns. Chunks are large: each GEMM call costs ~15 us.
+// aten's GEMM (in parallel) into out's columns. Chunks are large: each GEMM call has a fixed
+// cost (see docs/benchmarks.md#direct-kernels-by-rows).
 void dequantized_linear(const at::Tensor& x, const Weights& w, const Format& format, Isa chosen,
                         at::Tensor& out) {
   const bool bf16 = x.scalar_type() == at::kBFloat16 && chosen >= Isa::kAvx512Vnni &&

@@ -4,9 +4,9 @@
 // dequantised (w = code * d + m per block of 32) and multiplied by the activations, float32 or
 // bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to
 // float32 rounding, as the pure-torch reference does. (llama.cpp quantises the activations to
-// int8 blocks for integer dot products; on SmolLM2 that moved the top-5 logits by up to 6 % of
-// their range and changed greedy text on 5 of the 8 validate prompts. The weights' bytes, which
-// bound a decode step, are the same.) bfloat16 activations, 8 significant bits, may become 15- or
+// int8 blocks for integer dot products, at a cost in accuracy: see
+// docs/benchmarks.md#int8-activations. The weights' bytes, which bound a decode step, are the
+// same.) bfloat16 activations, 8 significant bits, may become 15- or
 // 16-bit fixed point per block for integer products: that moves each by at most 2^-15 of its
 // block's largest, 64x below the bfloat16 rounding it already carries.
 //
@@ -60,21 +60,17 @@ namespace vllm_aot::quant {
 
 constexpr int64_t kBlock = 32;          // inputs per block (GGUF's)
 // Beyond: dequantise and run aten's GEMM. The direct kernels' work grows with the rows, the
-// dequantisation's does not: a decode step's 30 q4_1 layers (distinct weights, bfloat16, VNNI,
-// AMX for aten) take 25-28 ms direct against 32-42 ms through the GEMM at 8 rows, 49 against
-// 30-32 at 16, 94 against 27 at 32.
+// dequantisation's does not (see docs/benchmarks.md#direct-kernels-by-rows).
 constexpr int64_t kMaxDirectRows = 8;
 // The AVX2 fixed-point kernel's own limit (`quant_avx2_fixed.h`): there aten's GEMM is float32,
-// and on a Zen 3 the direct kernel stays ahead of dequantise-and-GEMM up to 32 rows (a q4_1
-// [3072, 576] at 16 rows 0.69 against 0.95 ms, at 32 rows 1.36 against 1.36; [576, 1536] at 32
-// rows 0.53 against 0.61 ms; q8_0 0.77-0.85x).
+// and the direct kernel stays ahead of dequantise-and-GEMM up to 32 rows (see
+// docs/benchmarks.md#direct-kernels-by-rows).
 constexpr int64_t kMaxDirectRowsAvx2Fixed = 32;
 // Up to kMaxAmxRows bfloat16 rows, AMX's tiles where the CPU has them (`quant_amx.h`): a work
 // item's weight tiles meet every row in tile multiplies of 16 rows, so 5 rows cost about what 16
 // do. Fewer than kMinAmxRows rows take the format's VNNI kernel, which reads the codes as bytes
-// where AMX widens them (SmolLM2's q4_1 [3072, 576] from L3, 2 threads: 4 rows 118-126 us VNNI
-// against 158-163 AMX, 6 rows 180-203 against 140-144; the q8_0 head at 4 rows 1.9-2.1 ms against
-// 2.3-2.5, at 6 rows 3.0-3.1 against 2.2-2.5). int8, which has none, takes AMX from one row.
+// where AMX widens them (see docs/benchmarks.md#direct-kernels-by-rows). int8, which has none,
+// takes AMX from one row.
 constexpr int64_t kMinAmxRows = 5, kMaxAmxRows = 32;
 
 // The kernels' instruction set: AVX2 + FMA (the floor), AVX-512, AVX-512 with VNNI's byte dot
@@ -137,16 +133,14 @@ at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_
 // rows too short for the hardware prefetcher to follow. So a tile asks for the rows
 // kPrefetchRows further on while it works: their block scales and minimums as it starts
 // (`prefetch_planes`), their codes a line at a time as it reads the same line of its own rows
-// (`prefetch_line`), spread over the tile. (One q4_1 layer's linears from L3 on a Xeon: 6.4-8.1
-// cycles a block with no prefetch, 4.1-5.1 with the tile's lines asked for all at once as it
-// starts, 3.2-4.0 spread; 2.7 from L1.) A prefetch past the weight's end never faults.
+// (`prefetch_line`), spread over the tile (see docs/benchmarks.md#prefetch). A prefetch past
+// the weight's end never faults.
 constexpr int64_t kPrefetchRows = 16;
 
 // Where a prefetched line is asked into. The AVX-512 kernels ask for L2 (`kToL2`): from DRAM (a
 // Zen 4's 32 MB L3 does not hold the model) lines asked into L1 wait in L1's few miss buffers
-// beside the kernel's own loads, and a batch-1 step's linears took 7.1 ms where they take 5.2
-// asked into L2 (the head alone 2.1 -> 1.2 ms). The AVX2 kernels, slower a block, keep L1
-// (`kToL1`): asked into L2 their layers ran 9 % slower on the same CPU.
+// beside the kernel's own loads. The AVX2 kernels, slower a block, keep L1 (`kToL1`). See
+// docs/benchmarks.md#prefetch.
 using Hint = decltype(_MM_HINT_T0);  // the intrinsic's own type for its hint
 constexpr Hint kToL1 = _MM_HINT_T0, kToL2 = _MM_HINT_T1;
 

@@ -1,8 +1,7 @@
-// The block formats (q8_0, q4_0, q4_1) for bfloat16 activations on AVX2 (`quant.h`). On a Zen 3
-// the float32 kernel (`quant_avx2.h`) spends ~10 cycles a block widening codes to float32 and
-// reads a decode step's weights at a fifth of the memory bandwidth. Here the codes widen only to
-// 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit fixed point,
-// summed in int32 (~3 cycles a block and activation row):
+// The block formats (q8_0, q4_0, q4_1) for bfloat16 activations on AVX2 (`quant.h`). The float32
+// kernel (`quant_avx2.h`) spends most of its time widening codes to float32. Here the codes widen
+// only to 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit fixed
+// point, summed in int32 (see docs/benchmarks.md#avx2-fixed-point-tiles):
 //
 // - the activations are bfloat16 (8 significant bits) and become 16-bit fixed point per block of
 //   32: x = s * q with s = the block's largest |x| / 32767. Each x moves by at most s / 2 = 2^-16
@@ -21,12 +20,9 @@
 //   call (a call would keep the sums in memory), holds a block's activations in registers for the
 //   tile's rows, and takes a cache line of codes at a time, asking for the one 16 rows on.
 // - more activation rows than one register block: the tile's codes are widened to int16 once into
-//   a buffer that every register block reads (loads where the shifts and masks were), and its
-//   scales and shifts to float32 once (each register block had widened them again: on a Zen 3 a
-//   quarter to two fifths of a tile's time at 32 rows). The codes' buffer took the runtime's
-//   batch-32 decode step from 219-237 to 184-203 ms (alternated, on a busy host).
+//   a buffer that every register block reads, and its scales and shifts to float32 once.
 // - a row's scales widen eight at a time, the last part vector by a masked load: no loop of
-//   unknown length, whose mispredicted exits had cost a 576-input tile as much as its blocks.
+//   unknown length, whose exits mispredict.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -160,9 +160,8 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_
 // Group g of the tile's rows (their codes from `rows`, their block scales `d` spread over the
 // group's lanes) against activation rows 0 .. B, into acc. The tile's codes come first (two
 // registers a row), then each activation row's four vectors and its scales are loaded once for
-// all the tile's rows (loaded once a weight row, they were a third of the loop's instructions),
-// and the low bytes' sums start from the high bytes' shifted by 7: 128 h + l with no add.
-// (Single thread, SmolLM2's q4_1 [3072, 576] in L2: 8 rows 457 -> 400 us, one row 67 -> 61.)
+// all the tile's rows, and the low bytes' sums start from the high bytes' shifted by 7:
+// 128 h + l with no add (see docs/benchmarks.md#vnni-tiles).
 template <class F, int B, int R, bool kWhole>
 VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows)[R],
                                                      int64_t ahead, int64_t g, int64_t left,
@@ -195,8 +194,7 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows
 // Activation rows 0 .. B against weight rows row0 .. row0 + R. (Bytes past a row's last block
 // load as zeros, or 0x80 flipped from them, against zero activations.) Only a row's last group
 // may be part of one, so the others load without a mask, and the loops over rows are unrolled so
-// the sums stay in registers (a one-row tile of SmolLM2's [3072, 576] on a Zen 4: 15-18 % faster
-// than one mask and one row pointer worked out a group, with the same sums in the same order).
+// the sums stay in registers (see docs/benchmarks.md#vnni-tiles).
 template <class F, int B, int R, class Out>
 VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arranged& x, Out* out) {
   __m512 acc[B][R];

@@ -9,8 +9,8 @@
 // min-p against the largest); then the exponential race over the kept tokens: argmax of
 // p / -ln(u), u the counter-based uniform of (seed, position, token id), hashed in 32-bit lanes
 // eight at a time and only for blocks with a kept token. The reference does the same in int64
-// tensors over the whole vocabulary for every row: ~0.26 ms a row of SmolLM2's 49152 logits in a
-// compiled head, ~2 ms at eight rows. The uniforms are bit for bit the reference's; exp and ln
+// tensors over the whole vocabulary for every row (see docs/benchmarks.md#head-kernels). The
+// uniforms are bit for bit the reference's; exp and ln
 // are within ~2 ulp of torch's, so a draw can differ only where two tokens' scores tie to that
 // precision.
 #include <ATen/Parallel.h>

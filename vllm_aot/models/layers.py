@@ -166,9 +166,8 @@ def prefill_attention(
 
     torch's scaled-dot-product attention in float32 whatever the model's dtype, as decode's
     (its CPU flash kernel: blocks of queries and keys with an online softmax, never the whole
-    score matrix): SmolLM2's 512 tokens against 768 keys in 3.8 ms, against 9.9 ms for
-    `_attend`'s score matrix; in bfloat16 it takes 1.5 ms but moved validate's worst top-5 logit
-    error from 3.3 to 6.0 (HF bfloat16's own: 4.5).
+    score matrix), faster than `_attend`'s score matrix and, unlike bfloat16, within validate's
+    tolerances (docs/benchmarks.md#prefill-attention-in-float32).
     """
     num_tokens, num_heads, head_dim = q.shape
     k_ctx = dequantize_kv(cache.k[context_block_ids], cache.k_scale, k_new.dtype)

@@ -3,8 +3,7 @@
 On a machine whose every core runs one of the model's compute threads, whatever else wakes up
 (vLLM's API server detokenising and streaming a token, the engine's own scheduling and output
 threads) takes a core from a thread in the middle of a parallel loop, and the loop's other
-threads wait for it: a front end costing 2 ms of CPU a token cost one stream 2-3 ms of its step
-(docs/benchmarks.md, "The front end below the steps"). Run at a lower priority (a higher nice
+threads wait for it (docs/benchmarks.md#front-end-priority). Run at a lower priority (a higher nice
 value), the front end instead takes the moments a core is idle: the step's serial host work, the
 gaps between steps.
 
@@ -14,8 +13,8 @@ unset, which is 0: nothing changes) is the nice value the front end's threads ge
 preempts a compute thread and runs where a core would otherwise idle (with OpenMP's waiting
 threads spinning briefly, as `vllm-aot serve`'s `GOMP_SPINCOUNT` has them; with libgomp's
 default spin the cores never idle and the front end starves). At nice 19 a front-end thread
-still took a compute thread's core for a scheduler slice now and then; at `SCHED_IDLE` one
-stream served 1.16-1.32x the tokens (docs/benchmarks.md, "The front end at SCHED_IDLE"):
+still takes a compute thread's core for a scheduler slice now and then, which `SCHED_IDLE`
+does not (docs/benchmarks.md#front-end-priority):
 
 - in the engine's process, under async scheduling (`plugin/async_steps.py`) with one rank (the
   worker in the engine's process), every Python thread but the step thread, once it has started:
@@ -52,10 +51,8 @@ MAX_NICE = 19
 IDLE = MAX_NICE + 1  # `idle`: nice 19 and the SCHED_IDLE policy
 RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own name and meaning (its CPU backend)
 # Below this many cores the front end shares them with the step's threads (at its nice value);
-# from here on one is its own. On 2 cores (docs/benchmarks.md, "A core for the front end") one
-# compute thread beside a front-end core served 0.77-0.91x the tokens of two shared ones at one
-# stream and 0.65-0.74x at 8 and 32: the front end's ~25 % at one stream (nothing at 32, where
-# it runs in the steps' idle moments) is worth a core only where a core is at most ~1/8 of them.
+# from here on one is its own: a core is worth the front end's share of the work only where it
+# is a small share of the cores (docs/benchmarks.md#front-end-core).
 MIN_CORES_TO_RESERVE = 8
 ENGINE_TITLE = "VLLM::Engine"  # the start of an engine process's name (vLLM's process title)
 

@@ -115,8 +115,9 @@ def batch_of(request_id: str) -> str | None:
 @dataclass
 class Gathering:
     """Whether a step should wait for prompts still arriving. vLLM's front end hands a request
-    of several inputs (`/v1/embeddings` with a list) to the engine one prompt at a time, ~0.1 ms
-    apart; a step started on the first few runs small programs and leaves the rest for more.
+    of several inputs (`/v1/embeddings` with a list) to the engine one prompt at a time
+    (docs/benchmarks.md#gathered-prompts); a step started on the first few runs small programs
+    and leaves the rest for more.
     So a step is held while some request has two or more prompts waiting and more than at the
     last look, at most `max_seconds` from its first prompt (vLLM's loop looks again 1 ms after
     a step that ran nothing). A request's lone first prompt is not held: a request of one

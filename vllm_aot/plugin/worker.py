@@ -103,8 +103,7 @@ class AotWorker(WorkerBase):
         # included: the engine's main thread then starts no OpenMP team, and the step thread's
         # is the process's only one. libgomp cuts its threads' spinning to almost nothing once
         # it manages more threads than there are cores, and a decode step's ~150 parallel
-        # loops then each wait for a sleeping thread to wake: SmolLM2's batch-1 step took
-        # 18.8 ms on a thread beside the main thread's team against 8.5 ms alone.
+        # loops then each wait for a sleeping thread to wake (docs/benchmarks.md#openmp-threads).
         self.async_steps: AsyncSteps | None = None
         if self.scheduler_config.async_scheduling:
             self.async_steps = AsyncSteps(self._execute_model, self._sample_tokens)

@@ -46,7 +46,7 @@ class CompiledProgram:
     one's outputs) stood still while a step ran, then stopped the step when they got it.
 
     Our programs take and return flat tuples of tensors, so torch's generic call (two tree-spec
-    parses, a flatten and an unflatten, ~13 us) is skipped: 31 calls a decode step. The
+    parses, a flatten and an unflatten: docs/benchmarks.md#program-calls) is skipped. The
     program's call spec is checked once, here; the outputs come back as a list.
     """
 

@@ -45,9 +45,8 @@ from vllm_aot.runtime.programs import (
 # while a parallel region costs a fork and a barrier, ~9 a layer, and stalls whenever another
 # process (the server's front end) holds one of the cores. Their linears and attention are our
 # kernels, parallel on their own.
-# Verify layer programs (speculative decoding: a decode batch of k + 1 tokens a row) likewise:
-# compiled parallel, a SmolLM2 batch-1 verify step's layers spent ~4 ms a layer in Inductor's own
-# code against decode's 0.15 ms, on a machine others were loading.
+# Verify layer programs (speculative decoding: a decode batch of k + 1 tokens a row) likewise
+# (docs/benchmarks.md#serial-decode-programs).
 SERIAL_KINDS = (ProgramKind.DECODE, ProgramKind.VERIFY)
 CODEGEN_THREADS = 8
 PARALLEL_SETTINGS = {"cpp.threads": CODEGEN_THREADS, "cpp.dynamic_threads": True}

@@ -122,7 +122,7 @@ class RuntimeConfig:
             # whole bucket: by twos, so past 128 cached tokens a chunk reads less than twice its
             # context, and with 512-token chunks the contexts 512 and 1024 fit exactly (1536
             # reads 2048). A 1024-token prompt's second chunk attends over 512 + 512 keys, not
-            # 1024 + 512: its prefill 870 -> 688 ms on SmolLM2, for three more programs.
+            # 1024 + 512 (docs/benchmarks.md#prefill-context-buckets).
             "prefill_context_buckets": (
                 (0, *powers_of_two(min(256, self.max_model_len), self.max_model_len)),
                 self.max_model_len,

@@ -133,10 +133,9 @@ def prefill_key(chunks: Sequence[PrefillChunk], config: RuntimeConfig) -> Progra
     return None if buckets is None else buckets[0]
 
 
-# What a prefill program call costs beyond its bucket's tokens, counted in tokens: SmolLM2 Q4_1
-# on a Zen 4, from its 32- and 128-token programs in four runs of a moving host, 25 to 77 tokens
-# (17-46 ms a call: each quantised weight dequantised once a call, a GEMM of few rows below its
-# peak, at 0.7-0.97 ms a token).
+# What a prefill program call costs beyond its bucket's tokens, counted in tokens: each
+# quantised weight dequantised once a call, a GEMM of few rows below its peak
+# (docs/benchmarks.md#prefill-call-cost).
 PREFILL_CALL_TOKENS = 48
 
 
@@ -283,8 +282,7 @@ def prepare_decode(rows: Sequence[DecodeRow], config: RuntimeConfig) -> DecodeIn
 def _tensors(*arrays: np.ndarray) -> list[torch.Tensor]:
     """The step's inputs as tensors sharing the arrays' memory. A decode step's inputs are
     built in numpy: each torch call releases the GIL, and in a server every release lets the
-    engine's other threads in, so a dozen small torch calls cost the step thread ~0.5 ms
-    (docs/benchmarks.md, "The step's host work")."""
+    engine's other threads in (docs/benchmarks.md#host-work-in-numpy)."""
     return [torch.from_numpy(a) for a in arrays]
 
 

@@ -12,7 +12,8 @@ Greedy is defined once, by `SamplingParams.is_greedy`; normalised greedy paramet
 are top_k 1, which is how a sampling head tells greedy rows apart.
 
 Top-k and top-p are decided among the `num_candidates` most likely tokens (a full vocabulary sort
-costs ~4.5 ms per row on a CPU); a nucleus wider than that is cut at the candidates. Min-p and
+is slow on a CPU: docs/benchmarks.md#head-kernels); a nucleus wider than that is cut at the
+candidates. Min-p and
 plain temperature sampling are exact over the whole vocabulary.
 """
 

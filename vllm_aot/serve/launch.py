@@ -140,14 +140,12 @@ def server_env() -> dict[str, str]:
     env.setdefault("VLLM_AOT_ENGINE_FORK", "1")  # see plugin/platform.py
     # OpenMP threads wait at the end of each parallel loop by spinning, 300000 turns by
     # default (milliseconds). When another process holds a core (the API server, a client,
-    # a neighbour), a thread spinning for a preempted one burns the core that one needs:
-    # one stream's step went from 10 to 30-150 ms on a shared 2-core machine. A short spin
-    # keeps the quiet machine's speed (9.6-10.1 ms against 9.9-10.2) and bounds that waste
-    # (docs/benchmarks.md, async scheduling and the engine's OpenMP threads).
+    # a neighbour), a thread spinning for a preempted one burns the core that one needs. A
+    # short spin keeps the quiet machine's speed and bounds that waste
+    # (docs/benchmarks.md#openmp-threads).
     env.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
     # torch's allocator asks for 2 MB pages for large tensors: the weights a decode step streams
-    # then cost one TLB entry a 2 MB instead of a 4 KB page. On a Zen 3 (DRAM-bound, 32 MB L3)
-    # the runtime's batch-1 step ran 10-17 % faster, alternated three times (docs/benchmarks.md).
+    # then cost one TLB entry a 2 MB instead of a 4 KB page (docs/benchmarks.md#huge-pages).
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # The front end (API server, the engine's scheduling and output threads) runs below the
     # step's threads, in the moments a core is idle, instead of stalling a parallel loop
