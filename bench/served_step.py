@@ -1,4 +1,4 @@
-"""One stream served against the same step in the runtime alone (issue 18), pass by pass.
+"""One stream served against the same step in the runtime alone, pass by pass.
 
 Prints, for the bundled GGUF exported once (`vllm-aot export --quantization gguf`) and both
 sides running its programs: the runtime's batch-1 decode step (one request's steps, in a process

@@ -123,7 +123,7 @@ def test_gguf_greedy_output_equals_the_dense_model_of_the_same_weights(
 
 def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     """`vllm-aot export --compile-only --quantization gguf` fills the cache for the file's own
-    formats (it used to stop at an assert: the formats unresolved)."""
+    formats, read from the file before the programs are asked for."""
     from vllm_aot.cli.main import main
     from vllm_aot.loading import programs
 

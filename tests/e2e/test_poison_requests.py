@@ -1,4 +1,4 @@
-"""Requests that used to crash the engine, sent to real servers: each fails alone (HTTP 400 or
+"""Requests that could crash an engine, sent to real servers: each fails alone (HTTP 400 or
 500 for it), a stream in flight beside it gets every token, and the next request is served.
 
 With the engine never crashing, a poison request cannot take down a `vllm-aot serve` replica
@@ -22,7 +22,7 @@ PROMPT_IDS = [1, 504, 2365, 6354, 16438]  # any in-vocabulary ids
 
 @pytest.fixture(scope="module")
 def lenient_server(tiny_model_dirs, tmp_path_factory):
-    """A server that lets through what the front end used to pass to the engine: no logprobs
+    """A server that lets through what a lenient front end passes to the engine: no logprobs
     limit (-1) and no tokenizer, so token ids go unchecked."""
     port = free_port()
     args = ["--served-model-name", "tiny", *SHAPE_ARGS]

@@ -23,8 +23,8 @@ inline float sum8(__m256 v) {
 
 // e^x for eight floats to ~2 ulp (x <= 88; below -87.3 the result flushes towards 0): x = n ln 2
 // + r with |r| <= ln 2 / 2, e^r by its degree-7 Taylor-like polynomial (Cephes' expf
-// coefficients), times 2^n built in the exponent bits. std::exp one score at a time was most of
-// a decode attention call.
+// coefficients), times 2^n built in the exponent bits. std::exp one score at a time would be
+// most of a decode attention call.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
                     _mm256_set1_ps(-87.3365447504f));

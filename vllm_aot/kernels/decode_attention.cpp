@@ -214,7 +214,7 @@ WideFns<T, P> wide_fns(int64_t d) {
 inline void softmax_rows(float* scores, int64_t stride, int64_t group, int64_t n) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * stride;
-    // the largest eight lanes at a time (one scalar max a score was a chain of its latencies)
+    // the largest eight lanes at a time (a scalar max a score is a chain of its latencies)
     __m256 tops = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t i = 0;
     for (; i + 8 <= n + 1; i += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + i));
