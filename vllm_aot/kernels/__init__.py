@@ -2,9 +2,9 @@
 
 - `vllm_aot::linear_bf16(x, w)` (`linear_bf16.cpp`): `x @ w.T` for bfloat16 tensors with float32
   accumulation. On x86 CPUs without native bfloat16 arithmetic (no AVX-512 BF16 or AMX), aten's
-  bfloat16 matmul runs 5-10x slower than the same product in float32 once more than one row
-  multiplies the weights; this kernel widens the weights in registers and runs at float32 speed
-  while reading half the bytes.
+  bfloat16 matmul runs far slower than the same product in float32 once more than one row
+  multiplies the weights (docs/benchmarks.md#bfloat16-linears); this kernel widens the weights
+  in registers and runs at float32 speed while reading half the bytes.
 - `vllm_aot::linear_int8|q8_0|q4_0|q4_1(x, *stored)` (`linear_<format>.cpp`, sharing `quant.h`):
   `x @ W.T` straight from a quantised weight's stored tensors (the layouts of `models/formats.py`),
   x float32 or bfloat16, the result in x's dtype. Up to 8 rows (decode at small batch; 32 on the
@@ -13,9 +13,9 @@
   `quant_avx512.h`); for bfloat16 activations of the block formats on AVX2, the codes as int16
   times the activations as 16-bit fixed point per block (`quant_avx2_fixed.h`), and of the 4-bit
   formats on AVX512-VNNI, the codes as bytes times 15-bit fixed point (`quant_avx512_vnni.h`).
-  On CPUs with AMX, bfloat16 activations of 4-32 rows (q8_0 and int8 from one row) meet each
+  On CPUs with AMX, bfloat16 activations of 5-32 rows (q8_0 and int8 from one row) meet each
   block dequantised once into two bfloat16 tiles (the weight to 2^-16), AMX's tile multiply
-  covering 16 rows at once (`quant_amx.h`): 4-32 rows cost 1.4-1.9x one row. More rows
+  covering 16 rows at once (`quant_amx.h`), so 5 rows cost about what 16 do. More rows
   (prefill) dequantise the weights in chunks for aten's GEMM (`quant.cpp`). A row's result
   never depends on the other rows (`quant.h`).
 - `vllm_aot::decode_attention(q, k_new, v_new, k_pool, v_pool, block_tables, context_lens,

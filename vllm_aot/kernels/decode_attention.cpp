@@ -7,8 +7,8 @@
 // Grouped-query: the `group` query heads of a KV head share each key and value read, widened to
 // float32 once for every 4 of them (heads of 64 or 128, the sums in registers; other head sizes
 // one query head at a time); bfloat16 queries and pools on a CPU with AVX512-BF16 take the
-// loops of `decode_attention_avx512.h` (keys read as stored, 16 keys' sums reduced at once;
-// 1.5-1.65x the AVX2 loops' speed at 8 rows on a Zen 4). Scores,
+// loops of `decode_attention_avx512.h` (keys read as stored, 16 keys' sums reduced at once:
+// docs/benchmarks.md#decode-attention-on-avx512-bf16). Scores,
 // softmax and the weighted sum are float32 whatever the cache dtype: the model's (float32 or
 // bfloat16), or fp8 (e4m3fn, e5m2: elements widened through a table, `fp8.h`, and the layer's
 // per-tensor scales folded into the query for keys and into the sum for values). The new keys

@@ -69,8 +69,9 @@ def _dense(name: str, dtype: torch.dtype, kernel) -> WeightFormat:
 
 
 def _bf16_kernel(cpu: CpuFeatures) -> LinearKernel:
-    """Our kernel where the CPU has no bfloat16 arithmetic: there aten's bfloat16 matmul runs
-    5-10x slower than float32 beyond one row; aten (oneDNN) where it has AVX-512 BF16 or AMX."""
+    """Our kernel where the CPU has no bfloat16 arithmetic, where aten's bfloat16 matmul runs
+    far slower than float32 beyond one row (docs/benchmarks.md#bfloat16-linears); aten (oneDNN)
+    where it has AVX-512 BF16 or AMX."""
     if cpu.can_use_kernels and not cpu.has_native_bf16:
         return LinearKernel(LINEAR_BF16, _linear_bf16)
     return ATEN_LINEAR
