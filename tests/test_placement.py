@@ -102,6 +102,10 @@ def test_too_few_cores_for_the_replicas_ranks_are_refused():
         replica_groups((0, 1), data_parallel_size=3, topology=FLAT)
     with pytest.raises(ValueError, match="must be >= 1"):
         replica_groups((0, 1), data_parallel_size=0, topology=FLAT)
+    with pytest.raises(ValueError, match=r"3 cores \(0-2\) do not make 2 groups of 2 or more"):
+        split((0, 1, 2), 2, min_cpus=2, topology=FLAT)
+    with pytest.raises(ValueError, match="0 groups: expected 1 or more"):
+        split((0, 1), 0, topology=FLAT)
 
 
 def test_replicas_keep_hyperthread_siblings_together_and_a_socket_each():

@@ -173,9 +173,11 @@ def split(
     """`cores` as `parts` equal, contiguous groups of physical cores, each of at least
     `min_cpus` CPUs, or else of CPUs (siblings apart); what an uneven split leaves is unused.
     ValueError when there are fewer than `parts` x `min_cpus` CPUs."""
+    if parts < 1:
+        raise ValueError(f"cores split into {parts} groups: expected 1 or more")
     units = (topology or machine_topology()).units(cores)
     cpus = [cpu for unit in units for cpu in unit]
-    if parts < 1 or len(cpus) < parts * min_cpus:
+    if len(cpus) < parts * min_cpus:
         raise ValueError(
             f"{len(cpus)} cores ({format_core_list(cpus)}) do not make {parts} groups of "
             f"{min_cpus} or more"
