@@ -38,7 +38,7 @@ from rich.table import Table
 
 from vllm_aot.cli.main import resolve_model
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
-from vllm_aot.serve.cores import available_cores, format_core_list, parse_core_list
+from vllm_aot.placement import format_core_list, requested_cores
 from vllm_aot.testing import free_port, running_server
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
@@ -311,7 +311,10 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=1800.0, help="compiles if uncached")
     parser.add_argument("--out", type=Path, default=None, help="results and logs (default: tmp)")
     args = parser.parse_args()
-    cores = parse_core_list(args.cores) if args.cores else available_cores()
+    try:
+        cores = requested_cores(args.cores)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if len(cores) < 2:
         raise SystemExit("error: the comparison needs at least two cores")
     cores_text = format_core_list(cores)

@@ -36,7 +36,8 @@ from runtime_bench import tokens
 
 from vllm_aot.loading.artifacts import export_model, is_artifact_dir
 from vllm_aot.models.prepare import prepare_default_model
-from vllm_aot.plugin.front_end import split_cores
+from vllm_aot.placement import available_cores, pin_process, split_front_end
+from vllm_aot.plugin.front_end import front_end_nice
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.serve.launch import GOMP_SPINCOUNT, server_env
 
@@ -60,8 +61,9 @@ def runtime_passes(artifact: Path, temperature: float) -> None:
     # The server's steps' configuration: its compute cores (all of them, or those left beside a
     # core reserved for the front end), a thread each; split as under `vllm-aot serve`'s
     # environment, whose defaults decide the reservation.
-    compute, _ = split_cores(os.sched_getaffinity(0), server_env())
-    os.sched_setaffinity(0, compute)
+    env = server_env()
+    compute, _ = split_front_end(available_cores(), env, is_lowered=front_end_nice(env) > 0)
+    pin_process(compute)
     torch.set_num_threads(len(compute))
     model, _ = load_model(artifact, CONFIG)
     params = SamplingParams(temperature=temperature).normalized()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vllm_aot.plugin.front_end import IDLE, MIN_CORES_TO_RESERVE, front_end_nice, split_cores
+from vllm_aot.plugin.front_end import IDLE, front_end_nice
 
 
 def test_front_end_nice_reads_0_to_19_or_idle_and_names_the_range_otherwise():
@@ -17,23 +17,6 @@ def test_front_end_nice_reads_0_to_19_or_idle_and_names_the_range_otherwise():
     for bad in ("20", "-1", "high"):
         with pytest.raises(ValueError, match=r"VLLM_AOT_FRONT_END_NICE.*from 0 to 19, or idle"):
             front_end_nice({"VLLM_AOT_FRONT_END_NICE": bad})
-
-
-def test_the_front_end_gets_the_last_cores_asked_for_and_one_by_default_on_big_machines():
-    key = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-    assert split_cores([3, 1, 2, 0], {key: "1"}) == ((0, 1, 2), (3,))
-    assert split_cores(range(8), {key: "2"}) == ((0, 1, 2, 3, 4, 5), (6, 7))
-    assert split_cores(range(8), {key: "0"}) == (tuple(range(8)), ())
-    small, big = range(MIN_CORES_TO_RESERVE - 1), range(MIN_CORES_TO_RESERVE)
-    serve = {"VLLM_AOT_FRONT_END_NICE": "idle"}  # what vllm-aot serve sets
-    assert split_cores(small, serve) == (tuple(small), ())
-    assert split_cores(big, serve) == (tuple(big)[:-1], tuple(big)[-1:])
-    assert split_cores(big, {}) == (tuple(big), ())  # a library user's process: unless asked
-    # Nothing left to compute on: the front end shares the cores (vLLM warns the same way).
-    assert split_cores([0, 1], {key: "2"}) == ((0, 1), ())
-    for bad in ("-1", "one"):
-        with pytest.raises(ValueError, match=r"VLLM_CPU_NUM_OF_RESERVED_CPU.*0 or more"):
-            split_cores([0, 1], {key: bad})
 
 
 # A child process named as vLLM's engine, `pid`, alive for two seconds (scripts format it in).

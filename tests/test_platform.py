@@ -10,7 +10,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
-from vllm_aot.plugin.parallel import machine_id, rank_cores, shm_ident, watch_rank0
+from vllm_aot.plugin.parallel import machine_id, shm_ident, watch_rank0
 from vllm_aot.plugin.platform import AotPlatform
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, SETUP_HOOK, with_setup_hook
 
@@ -297,12 +297,6 @@ def test_ranks_share_memory_only_on_one_machine():
     assert shm_ident("tcp://10.0.0.1:29500", here) != shm_ident("tcp://10.0.0.1:29501", here)
     assert shm_ident("file:///tmp/rdv/abc", here) == f"abc-{here}"
     assert machine_id() == machine_id() and len(machine_id()) == 12
-
-
-def test_a_machines_cores_are_split_among_its_ranks():
-    assert rank_cores([3, 0, 1, 2], 1, 2) == (2, 3)
-    assert rank_cores([0, 1], 0, 1) == (0, 1)
-    assert rank_cores([0], 1, 2) == (0,)  # fewer cores than ranks: shared
 
 
 def test_a_rank_whose_rank_0_is_gone_exits(tmp_path):

@@ -1,4 +1,5 @@
-"""`vllm-aot serve` before anything starts: core lists, configuration choice, refusals."""
+"""`vllm-aot serve` before anything starts: configuration choice, refusals (core lists:
+test_placement.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import pytest
 
 from vllm_aot.cli.main import build_parser, main, reclaim_flag_value
 from vllm_aot.serve.auth import ApiKeys
-from vllm_aot.serve.cores import format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.metrics import label_sample
 from vllm_aot.serve.replicas import RestartPolicy
 from vllm_aot.serve.settings import (
@@ -19,36 +19,6 @@ from vllm_aot.serve.settings import (
 
 MANIFEST = {"config": {"max_num_seqs": 8, "max_model_len": 512, "dtype": "float32",
                        "block_size": 16, "max_num_batched_tokens": 128}}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("text", "cores"),
-    [
-        ("0-3,8-11", (0, 1, 2, 3, 8, 9, 10, 11)),
-        ("5", (5,)),
-        ("3,1, 2", (1, 2, 3)),
-        ("0-1,", (0, 1)),
-    ],
-)
-def test_core_lists_parse(text, cores):
-    assert parse_core_list(text) == cores
-    assert parse_core_list(format_core_list(cores)) == cores
-
-
-@pytest.mark.parametrize("text", ["", "a", "3-1", "0-2,2", "-1", "1-"])
-def test_bad_core_lists_are_refused_naming_the_input(text):
-    with pytest.raises(ValueError, match="bad core list"):
-        parse_core_list(text)
-
-
-def test_cores_split_into_equal_groups_and_too_few_are_refused():
-    cores = parse_core_list("0-3,8-11")
-    assert group_cores(cores, data_parallel_size=2) == ((0, 1, 2, 3), (8, 9, 10, 11))
-    assert group_cores((0, 1, 2), data_parallel_size=2) == ((0,), (1,))  # core 2 unused
-    with pytest.raises(ValueError, match=r"2 replica\(s\) x tensor parallel 2 need at least 4"):
-        group_cores((0, 1, 2), data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="need at least 3 cores; only 2 given"):
-        group_cores((0, 1), data_parallel_size=3)
 
 
 def test_configuration_order_flags_then_registry_then_defaults():
@@ -144,9 +114,11 @@ def test_tensor_parallelism_is_vllms_flag_and_an_exported_directorys_own():
         (["--tensor-parallel-size", "3", "--cores", "0-1"], "tensor parallel 3 need at least 3"),
         (["--batch-size", "8", "--max-num-seqs", "4"], "contradicts --max-num-seqs 4"),
         (["--cores", "1-0"], "bad core list"),
+        (["--cores", "2-5"], "cores 4-5 are outside the cores this process may use (0-3"),
     ],
 )
-def test_serve_refuses_before_starting_anything(tiny_model_dir, argv, message, capsys):
+def test_serve_refuses_before_starting_anything(tiny_model_dir, argv, message, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", str(tiny_model_dir), "--backend", "eager", *argv])
     assert message in str(exit_info.value)

@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import SERVER_ARGS, SERVER_ENV, SHAPE_ARGS
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS
+from vllm_aot.placement import split_front_end
 from vllm_aot.plugin.front_end import IDLE
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
@@ -96,7 +97,8 @@ def test_the_front_end_runs_below_the_step_threads_and_on_its_own_core(tiny_mode
     """As `vllm-aot serve` starts a server: its API server, then the engine's own threads, at
     SCHED_IDLE; the step thread and its OpenMP team at nice 0. With a core reserved for the
     front end (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), the API server and the engine's own threads
-    run on the last core, the step thread on the others, and requests are answered."""
+    run on the last core (with its hyperthread siblings), the step thread on the others, and
+    requests are answered."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a core for the front end needs two")
@@ -119,7 +121,7 @@ def test_the_front_end_runs_below_the_step_threads_and_on_its_own_core(tiny_mode
         assert engine_threads[engine] == IDLE  # the engine's main thread: scheduling, outputs
         assert 0 in engine_threads.values()  # the step thread (and its OpenMP team)
 
-        front_end, compute = {cores[-1]}, set(cores[:-1])
+        compute, front_end = map(set, split_front_end(cores, env, is_lowered=True))
         while any(c != front_end for c in thread_cores(api_server).values()):
             assert time.monotonic() < deadline, thread_cores(api_server)
             time.sleep(0.2)

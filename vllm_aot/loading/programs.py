@@ -4,7 +4,6 @@ report of where each came from and what it cost. `startup.py` puts them together
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -16,6 +15,7 @@ from vllm_aot.loading.progress import CompileProgress
 from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.weights import ModelWeights, load_weights
+from vllm_aot.placement import available_cores
 from vllm_aot.runtime.backends import Program, eager_program, load_program
 from vllm_aot.runtime.compiler import compile_programs
 from vllm_aot.runtime.config import RuntimeConfig
@@ -80,7 +80,7 @@ class LoadReport:
 
 
 def default_num_workers() -> int:
-    return max(1, min(len(os.sched_getaffinity(0)), 8))
+    return max(1, min(len(available_cores()), 8))
 
 
 @dataclass(frozen=True)

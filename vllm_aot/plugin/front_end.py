@@ -25,14 +25,13 @@ does not (docs/benchmarks.md#front-end-priority):
 
 A priority only ever goes down here: a thread already nicer than asked keeps its value.
 
-Cores of its own. `VLLM_CPU_NUM_OF_RESERVED_CPU` (vLLM's CPU backend's knob, with the same
-meaning: cores kept from the model's OpenMP threads for everything else) takes the last N of the
-server's cores for the front end (`split_cores`); by default, under `vllm-aot serve`, none on
-fewer than `MIN_CORES_TO_RESERVE` cores and one from there on. The platform decides once, where
-the steps have a thread of their own (async scheduling, one rank), and the decision travels to
-the engine in its options: there the same threads that are lowered are also pinned to the front
-end's cores (`pin_threads`), and the step thread, with the OpenMP team it starts, to the rest,
-one compute thread a core; the API server pins itself there once the engine has forked.
+Cores of its own: which, if any, `placement.split_front_end` decides (vLLM's
+`VLLM_CPU_NUM_OF_RESERVED_CPU`; by default, under `vllm-aot serve`, one core from
+`placement.MIN_CORES_TO_RESERVE` on). The platform decides once, where the steps have a thread of
+their own (async scheduling, one rank), and the decision travels to the engine in its options:
+there the same threads that are lowered are also pinned to the front end's cores
+(`placement.pin_threads`), and the step thread, with the OpenMP team it starts, to the rest, one
+compute thread a core; the API server pins itself there once the engine has forked.
 """
 
 from __future__ import annotations
@@ -44,16 +43,13 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
+from vllm_aot.placement import RESERVED_ENV, pin_threads
+
 logger = logging.getLogger(__name__)
 
 NICE_ENV = "VLLM_AOT_FRONT_END_NICE"
 MAX_NICE = 19
 IDLE = MAX_NICE + 1  # `idle`: nice 19 and the SCHED_IDLE policy
-RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own name and meaning (its CPU backend)
-# Below this many cores the front end shares them with the step's threads (at its nice value);
-# from here on one is its own: a core is worth the front end's share of the work only where it
-# is a small share of the cores (docs/benchmarks.md#front-end-core).
-MIN_CORES_TO_RESERVE = 8
 ENGINE_TITLE = "VLLM::Engine"  # the start of an engine process's name (vLLM's process title)
 
 
@@ -71,51 +67,6 @@ def front_end_nice(environ: dict[str, str] | None = None) -> int:
     if not 0 <= nice <= MAX_NICE:
         raise ValueError(f"{NICE_ENV}={value!r}: expected an integer from 0 to {MAX_NICE}, or idle")
     return nice
-
-
-def split_cores(
-    cores: Collection[int], environ: dict[str, str] | None = None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(compute cores, front-end cores) of `cores`: the last `VLLM_CPU_NUM_OF_RESERVED_CPU` for
-    the front end, the rest for the model's threads; no front-end cores when that would leave
-    none to compute on. Unset, one from `MIN_CORES_TO_RESERVE` cores on where the front end is
-    lowered (`VLLM_AOT_FRONT_END_NICE`, as `vllm-aot serve` sets it), else none: a library
-    user's process is not pinned unless asked."""
-    cores = tuple(sorted(cores))
-    environ = os.environ if environ is None else environ
-    value = environ.get(RESERVED_ENV, "").strip()
-    if not value:
-        reserved = int(len(cores) >= MIN_CORES_TO_RESERVE and front_end_nice(environ) > 0)
-    else:
-        try:
-            reserved = int(value)
-        except ValueError:
-            reserved = -1
-        if reserved < 0:
-            raise ValueError(f"{RESERVED_ENV}={value!r}: expected a number of cores, 0 or more")
-    if reserved == 0 or reserved >= len(cores):
-        if reserved:
-            logger.warning(
-                "vllm-aot: %s=%d leaves none of the %d cores to compute on; the front end "
-                "shares them",
-                RESERVED_ENV,
-                reserved,
-                len(cores),
-            )
-        return cores, ()
-    return cores[:-reserved], cores[-reserved:]
-
-
-def pin_threads(native_ids: Collection[int], cores: Collection[int]) -> list[int]:
-    """Threads `native_ids` to `cores`; the ids pinned (a thread gone meanwhile is skipped)."""
-    pinned = []
-    for tid in native_ids:
-        try:
-            os.sched_setaffinity(tid, cores)
-        except (ProcessLookupError, PermissionError):
-            continue
-        pinned.append(tid)
-    return pinned
 
 
 def python_threads(*, keep: Collection[int]) -> list[int]:
@@ -169,7 +120,8 @@ def lower_after_engine_forks(nice: int, *, poll_seconds: float = 0.2) -> threadi
     exists, lowers this process (`lower_process`) and pins it to the front end's cores when the
     configuration reserved some (`plan_front_end`): the engine forks from this process, so
     doing either earlier would do it to the engine too. None when neither can happen (no
-    lowering asked and no `VLLM_CPU_NUM_OF_RESERVED_CPU`: `split_cores` reserves nothing)."""
+    lowering asked and no `VLLM_CPU_NUM_OF_RESERVED_CPU`: `placement.split_front_end` reserves
+    nothing)."""
     if nice <= 0 and not os.environ.get(RESERVED_ENV, "").strip():
         return None
 

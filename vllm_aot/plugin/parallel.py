@@ -9,8 +9,8 @@ node wait for the head's next step forever, so when the head is gone (stopped, o
 lost) the rank exits, and its node's executor, seeing a worker die, shuts down.
 
 Each rank takes its own share of the cores it was given (the engine's affinity, or on Ray its
-node's: what that node's `ray start` was given), split evenly among the ranks there by local
-rank, so the ranks' OpenMP teams never contend for a core.
+node's: what that node's `ray start` was given), split among the ranks there by local rank
+(`placement.rank_cores`), so the ranks' OpenMP teams never contend for a core.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from vllm_aot.kernels import collectives
+from vllm_aot.placement import available_cores, format_core_list, pin_process, rank_cores
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -51,16 +52,6 @@ class VllmTensorParallel:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(x, dim=-1)
-
-
-def rank_cores(cores: list[int], local_rank: int, local_world_size: int) -> tuple[int, ...]:
-    """`local_rank`'s equal share of `cores` (sorted); a rank shares all of them when there are
-    fewer cores than ranks (pure)."""
-    cores = sorted(cores)
-    share = len(cores) // local_world_size
-    if share == 0:
-        return tuple(cores)
-    return tuple(cores[local_rank * share : (local_rank + 1) * share])
 
 
 def shm_ident(init_method: str, machine: str) -> str:
@@ -135,9 +126,9 @@ def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | No
     does), install its tensor-parallel group as our programs' communicator, and pin this
     process to its cores."""
     parallel = vllm_config.parallel_config
-    cores = sorted(os.sched_getaffinity(0))
+    cores = available_cores()
     if parallel.world_size == 1:
-        return RankPlace(0, 1, tuple(cores))
+        return RankPlace(0, 1, cores)
     from vllm.distributed import (
         ensure_model_parallel_initialized,
         get_tensor_model_parallel_rank,
@@ -156,13 +147,13 @@ def join_ranks(vllm_config, *, rank: int, local_rank: int, init_method: str | No
     multinode = f"tcp://{parallel.master_addr}:{parallel.master_port}"
     watch_rank0(multinode if parallel.nnodes > 1 else init_method, rank)
     mine = rank_cores(cores, local_rank, _ranks_on_this_machine(parallel))
-    os.sched_setaffinity(0, mine)
+    pin_process(mine)
     place = RankPlace(get_tensor_model_parallel_rank(), parallel.tensor_parallel_size, mine)
     logger.info(
         "vllm-aot: rank %d (tensor-parallel rank %d of %d) on cores %s",
         rank,
         place.tp_rank,
         place.tp_size,
-        ",".join(map(str, mine)),
+        format_core_list(mine),
     )
     return place

@@ -21,7 +21,8 @@ import vllm.envs as envs
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
-from vllm_aot.plugin.front_end import plan_front_end, split_cores
+from vllm_aot.placement import available_cores, shared_cores_problem, split_front_end
+from vllm_aot.plugin.front_end import front_end_nice, plan_front_end
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import (
     FP8_KV_CACHE_DTYPES,
@@ -100,20 +101,12 @@ def _refuse_unsupported(vllm_config) -> None:
 
 
 def _refuse_shared_cores(parallel) -> list[str]:
-    """Ranks of one machine each need a core of their own (`plugin/parallel.py` splits the
-    engine's cores among them): ranks sharing cores wait in every collective for one another's
-    descheduled threads (SmolLM2 at TP=3 on 2 cores: 2 s a token). Ray places its ranks on
-    nodes only once the engine runs; each node declares its own ranks."""
+    """Ranks of one machine each need a core of their own (`placement.py`). Ray places its
+    ranks on nodes only once the engine runs; each node declares its own ranks."""
     if parallel.world_size == 1 or parallel.use_ray:
         return []
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= parallel.local_world_size:
-        return []
-    return [
-        f"{parallel.local_world_size} tensor-parallel ranks on this machine with "
-        f"{len(cores)} cores (supported: a core per rank at least; this engine may use cores "
-        f"{','.join(map(str, cores))})"
-    ]
+    problem = shared_cores_problem(parallel.local_world_size, available_cores())
+    return [problem] if problem else []
 
 
 def _refuse_runner(model_config, archs: list[str]) -> list[str]:
@@ -209,7 +202,7 @@ def _refuse_uncached(model: str, options) -> None:
 def _set_up_executor(parallel) -> None:
     """One rank: the engine process holds the worker, no extra process hop per step. Several:
     vLLM's executor as given (multiprocessing by default, or Ray: `plugin/ray_ranks.py`); each
-    worker takes its share of the cores (`plugin/parallel.py`), so vLLM's own binding (which
+    worker takes its share of the cores (`placement.rank_cores`), so vLLM's own binding (which
     reserves a core per rank for its scheduler) is off."""
     if parallel.world_size == 1:
         parallel.distributed_executor_backend = "uni"
@@ -323,7 +316,9 @@ class AotPlatform(CpuPlatform):
         scheduler_config.async_scheduling = is_async
         front_end = ()
         if is_async and vllm_config.parallel_config.world_size == 1:  # steps on their thread
-            _, front_end = split_cores(os.sched_getaffinity(0))  # the engine's: it forks from here
+            _, front_end = split_front_end(  # the engine's cores: it forks from here
+                available_cores(), is_lowered=front_end_nice() > 0
+            )
             options = dataclasses.replace(options, front_end_cores=front_end)
         plan_front_end(front_end, is_async=is_async)  # the API server's, once the engine forks
         if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":

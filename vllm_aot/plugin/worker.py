@@ -30,14 +30,9 @@ from vllm_aot.loading.programs import ProgramOptions
 from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.experts import rank_share
+from vllm_aot.placement import RESERVED_ENV, compute_cores, pin_threads
 from vllm_aot.plugin.async_steps import AsyncSteps
-from vllm_aot.plugin.front_end import (
-    RESERVED_ENV,
-    front_end_nice,
-    lower_python_threads,
-    pin_threads,
-    python_threads,
-)
+from vllm_aot.plugin.front_end import front_end_nice, lower_python_threads, python_threads
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
 from vllm_aot.plugin.parallel import join_ranks
@@ -92,9 +87,9 @@ class AotWorker(WorkerBase):
             local_rank=self.local_rank,
             init_method=self.distributed_init_method,
         )
-        # The front end's own cores, where the platform reserved some (plugin/front_end.py).
+        # The front end's own cores, where the platform reserved some (placement.py).
         front_end = self.options.front_end_cores
-        compute = tuple(c for c in self.place.cores if c not in front_end) or self.place.cores
+        compute = compute_cores(self.place.cores, front_end)
         torch.set_num_threads(self.options.num_threads or len(compute))
         self.runner: AotModelRunner | PoolingRunner | DecoderPoolingRunner | None = None
         self.stats_file: StatsFile | None = None

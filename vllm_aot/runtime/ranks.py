@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from vllm_aot.placement import available_cores, pin_process, rank_cores
 from vllm_aot.processes import free_port
 
 
@@ -32,10 +33,8 @@ def _rank_main(fn, args, rank: int, world_size: int, port: int, results, quiet: 
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-        cores = sorted(os.sched_getaffinity(0))
-        share = max(1, len(cores) // world_size)
-        mine = cores[rank * share : (rank + 1) * share] or cores
-        os.sched_setaffinity(0, mine)
+        mine = rank_cores(available_cores(), rank, world_size)
+        pin_process(mine)
         torch.set_num_threads(len(mine))
         # The same random draws on every rank (seeds of requests that brought none).
         random.seed(port)
@@ -65,9 +64,9 @@ def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, quiet: bool = False
 ) -> list[Any]:
     """`fn(rank, *args)` on ranks 0..world_size-1 (a module-level function: spawned processes
-    import it), each on its share of this process's cores; their results in rank order. A
-    rank's exception raises RuntimeError here, naming the rank. `quiet`: ranks other than 0
-    print nothing."""
+    import it), each on its share of this process's cores (`placement.rank_cores`: with fewer
+    cores than ranks, they share); their results in rank order. A rank's exception raises
+    RuntimeError here, naming the rank. `quiet`: ranks other than 0 print nothing."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

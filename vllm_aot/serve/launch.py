@@ -26,9 +26,15 @@ from pathlib import Path
 
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
+from vllm_aot.placement import (
+    format_core_list,
+    pin_process,
+    replica_groups,
+    requested_cores,
+    thread_env,
+)
 from vllm_aot.plugin.front_end import NICE_ENV
 from vllm_aot.serve.auth import ApiKeys
-from vllm_aot.serve.cores import available_cores, format_core_list, group_cores, parse_core_list
 from vllm_aot.serve.pool import ReplicaPool
 from vllm_aot.serve.proxy import CANCEL_SECONDS, Proxy, ProxyConfig
 from vllm_aot.serve.replicas import (
@@ -37,7 +43,6 @@ from vllm_aot.serve.replicas import (
     ReplicaManager,
     ReplicaSpec,
     RestartPolicy,
-    thread_env,
 )
 from vllm_aot.serve.settings import (
     ChosenConfig,
@@ -157,9 +162,8 @@ def server_env() -> dict[str, str]:
 def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
     try:
         passthrough = list(with_self_draft(tuple(passthrough), str(model_dir)))
-        cores = parse_core_list(args.cores) if args.cores else available_cores()
-        groups = group_cores(
-            cores,
+        groups = replica_groups(
+            requested_cores(args.cores),
             data_parallel_size=args.data_parallel_size,
             tensor_parallel_size=args.tensor_parallel_size,
         )
@@ -204,7 +208,7 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
             model_dir, host=args.host, port=args.port, chosen=chosen, served_name=served_name
         )
         if args.cores:
-            os.sched_setaffinity(0, groups[0])
+            pin_process(groups[0])
             env = thread_env(env, len(groups[0]))
             print(f"pinned to cores {format_core_list(groups[0])}", flush=True)
         print("$", " ".join(command), flush=True)

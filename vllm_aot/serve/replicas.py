@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from vllm_aot.placement import pin_process
 from vllm_aot.processes import parent_death_signal
 from vllm_aot.serve.pool import ReplicaPool
 
@@ -76,21 +76,11 @@ class ReplicaExitedError(RuntimeError):
     """A replica exited during start-up."""
 
 
-def thread_env(base: dict[str, str], num_cores: int) -> dict[str, str]:
-    """`base` plus the thread settings for a process pinned to `num_cores` cores."""
-    return {
-        **base,
-        "OMP_NUM_THREADS": str(num_cores),
-        # vLLM's own OpenMP binding is for its multiprocess executor; ours pins by affinity.
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    }
-
-
 def _pin_and_tie(cores: tuple[int, ...]) -> Callable[[], None]:
     tie = parent_death_signal(signal.SIGTERM)
 
     def preexec() -> None:
-        os.sched_setaffinity(0, cores)
+        pin_process(cores)
         tie()
 
     return preexec
