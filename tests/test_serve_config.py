@@ -66,7 +66,7 @@ def test_configuration_order_flags_then_registry_then_defaults():
     assert chosen.vllm_args == ("--max-num-seqs", "8", "--max-model-len", "1024", "--dtype",
                                 "bfloat16")  # fmt: skip
     assert chosen.additional_config == {"block_size": 32, "decode_batch_buckets": (1, 8)}
-    assert "batch_size = 8 (from --batch-size)" in chosen.reasons
+    assert "max_num_seqs = 8 (from --batch-size)" in chosen.reasons
     assert "cached configuration abc (local)" in chosen.reasons
     assert any("max_model_len = 1024 (compiled configuration" in r for r in chosen.reasons)
     defaults = choose_config(ShapeFlags())
@@ -77,7 +77,7 @@ def test_configuration_order_flags_then_registry_then_defaults():
 def test_exported_directory_fixes_the_shapes_and_refuses_contradictions():
     chosen = choose_config(ShapeFlags(batch_size=8), manifest=MANIFEST, artifact_dir="/x")
     assert chosen.vllm_args == ()
-    assert "batch_size = 8 (from the exported directory /x)" in chosen.reasons
+    assert "max_num_seqs = 8 (from the exported directory /x)" in chosen.reasons
     assert "dtype = float32 (from the exported directory /x)" in chosen.reasons
     with pytest.raises(ValueError, match=r"--max-model-len 1024 \(it was compiled for 512\)"):
         choose_config(ShapeFlags(max_model_len=1024), manifest=MANIFEST)
@@ -114,7 +114,7 @@ def test_passthrough_flags_are_kept_and_contradictions_refused():
     )
     assert chosen.vllm_args == ("--max_num_seqs=4", "--api-key", "k")
     assert chosen.additional_config == {"backend": "eager", "x": 1}
-    assert "batch_size = 4 (from --max-num-seqs)" in chosen.reasons
+    assert "max_num_seqs = 4 (from --max-num-seqs)" in chosen.reasons
     assert flag_value(chosen.vllm_args, "--max-num-seqs") == "4"
     with pytest.raises(ValueError, match="--batch-size 8 contradicts --max-num-seqs 4"):
         choose_config(ShapeFlags(batch_size=8), passthrough=("--max-num-seqs", "4"))

@@ -183,9 +183,12 @@ def pinned_fields(
     return pinned
 
 
-def check_artifact(model: str, runtime: RuntimeConfig, asked: dict[str, Any], extra) -> None:
+def check_artifact(
+    model: str | None, runtime: RuntimeConfig, asked: dict[str, Any], extra: dict[str, Any]
+) -> None:
     """ValueError naming every option in `asked` (pinned fields) that exported directory `model`
     (compiled for `runtime`) contradicts, or `--additional-config` shapes (`extra`)."""
+    where = f"the exported directory {model}" if model else "the exported directory"
     conflicts = [
         f"{flag_text(name)} {value} (it was compiled for {getattr(runtime, name)})"
         for name, value in asked.items()
@@ -193,14 +196,13 @@ def check_artifact(model: str, runtime: RuntimeConfig, asked: dict[str, Any], ex
     ]
     if conflicts:
         raise ValueError(
-            f"the exported directory {model} fixes its shapes; these flags contradict it: "
-            f"{'; '.join(conflicts)}. Drop them, or export again with the configuration you need."
+            f"{where} fixes its shapes; these flags contradict it: {'; '.join(conflicts)}. "
+            "Drop them, or export again with the configuration you need."
         )
-    shapes = sorted(name for name in extra if BY_NAME[name].is_runtime)
+    shapes = sorted(name for name in extra if name in BY_NAME and BY_NAME[name].is_runtime)
     if shapes:
         raise ValueError(
-            f"{model} is an exported directory whose shapes are fixed; "
-            f"remove {', '.join(shapes)} from --additional-config"
+            f"{where} fixes its shapes; remove {', '.join(shapes)} from --additional-config"
         )
 
 

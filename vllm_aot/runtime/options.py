@@ -37,7 +37,7 @@ class Option:
     help: str
     vllm_flag: str | None = None  # the vLLM flag that sets it (None: --additional-config only)
     cli_flag: str | None = None  # the `vllm-aot export`/`demo` flag (None: none)
-    serve: bool = False  # `vllm-aot serve` has `cli_flag` too, passed on as `vllm_flag`
+    serve: bool = False  # `vllm-aot serve` has `cli_flag` too (passed on as `vllm_flag`)
     choices: tuple[str, ...] | None = None
 
     @property
@@ -97,7 +97,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("runner", "generate (decoders) or pooling (encoders, converted decoders)", "--runner"),
     Option("convert", "embed: a decoder served as an embedding model", "--convert"),
     Option("num_speculative_tokens", "drafts verified per row per step", SPECULATIVE_FLAG),
-    Option("backend", "what compiles the programs", cli_flag="--backend", choices=BACKENDS),
+    Option("backend", "what compiles the programs", cli_flag="--backend", serve=True,
+           choices=BACKENDS),
     Option("decode_batch_buckets", "decode batches compiled", cli_flag="--decode-batch-buckets"),
     Option("decode_context_buckets", "decode contexts compiled (tokens)",
            cli_flag="--decode-context-buckets"),
