@@ -302,3 +302,17 @@ def test_replicas_start_with_short_spins_huge_pages_and_a_lowered_front_end_unle
     assert env["VLLM_AOT_FRONT_END_NICE"] == "idle"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's choice stands
     assert server_env()["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_serve_pins_vllms_flags_as_vllm_parses_them_and_the_platform_resolves_them():
+    """A vLLM flag passed through is read by vLLM's parser (underscores, `=`, JSON) and pinned
+    for the registry as the platform will resolve it; an explicit 128 is 128."""
+    from vllm_aot.serve.selection import requested_shapes
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    passthrough = ("--max_num_seqs=128", "--kv-cache-dtype", "fp8", "--speculative-config", spec)
+    requested = requested_shapes(ShapeFlags(max_model_len=512), passthrough)
+    assert requested["max_num_seqs"] == 128 and requested["max_model_len"] == 512
+    assert requested["kv_cache_dtype"] == "fp8_e4m3" and requested["num_speculative_tokens"] == 3
+    assert (requested["dtype"], requested["quantization"]) == ("bfloat16", "none")
+    assert requested["block_size"] is None and requested["runner"] is None

@@ -287,9 +287,12 @@ def resolve_engine_options(vllm_config, *, is_async: bool) -> AotOptions:
         "enable_expert_parallel": parallel.enable_expert_parallel,
         "max_model_len": model_config.max_model_len,
     }
+    given = given_in_config(vllm_config) if given is None else given
+    if "max_model_len" in given:  # as vLLM read it ("1k", or -1: the model's, fitted)
+        given = {**given, "max_model_len": model_config.max_model_len}
     options = resolve_options(
         model=model_config.model,
-        given=given_in_config(vllm_config) if given is None else given,
+        given=given,
         vllm=vllm,
         extra=extra,
         decided=decided,

@@ -127,19 +127,3 @@ ENGINE_OPTIONS = tuple(o.name for o in OPTIONS if not o.is_runtime)
 VLLM_OPTIONS = tuple(o for o in OPTIONS if o.vllm_flag is not None)
 # What a command line can pin when `vllm-aot serve` picks a compiled configuration.
 SELECTABLE = tuple(o.name for o in VLLM_OPTIONS if o.keys_programs)
-
-
-def option_args(runtime: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-    """A configuration's fields as vLLM flags (where one sets the field) and
-    `--additional-config` entries (the rest); defaults ("auto", None, False) are left out."""
-    args: list[str] = []
-    extra: dict[str, Any] = {}
-    for name, value in runtime.items():
-        option = BY_NAME[name]
-        if option.engine_arg is None:
-            extra[name] = value
-        elif value is True:
-            args.append(option.vllm_flag)
-        elif value not in (None, False, "auto"):
-            args += [option.vllm_flag, str(value)]
-    return args, extra
