@@ -23,6 +23,7 @@ from vllm_aot.cache.admin import cleanup, status, sync
 from vllm_aot.cache.local import CacheLockTimeout
 from vllm_aot.cache.program_cache import CacheMissError, CacheSettings, ProgramCache
 from vllm_aot.cache.registry import CompiledConfiguration, describe_rows, select_configuration
+from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import all_program_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,19 +292,14 @@ def test_cleanup_removes_failures_stale_locks_and_other_versions(tmp_path):
 def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None, created=0.0):
     from vllm_aot.cache.keys import cpu_target, generator_source_digest, versions
 
-    runtime = {
-        "max_num_seqs": batch,
-        "max_model_len": length,
-        "block_size": 16,
-        "max_num_batched_tokens": 512,
-        "dtype": dtype,
-    }
+    config = RuntimeConfig(
+        max_num_seqs=batch, max_model_len=length, dtype=dtype, tensor_parallel_size=tp
+    )
     return CompiledConfiguration(
         arch_digest="a",
         architecture="LlamaForCausalLM",
-        runtime=runtime,
+        runtime=config.shape_fields(),
         target=cpu_target(),
-        tensor_parallel_size=tp,
         torch=torch_version or versions()["torch"],
         vllm_aot=versions()["vllm_aot"],
         created=created,
@@ -330,14 +326,13 @@ def test_selection_prefers_tp_then_batch_then_length_among_exact_matches():
 
 
 def test_records_of_programs_from_other_code_are_not_served():
-    """A record written by other program-generating code (or before records named it) names
-    programs this code never loads: selection passes over it and says why in the lookup."""
+    """A record written by other program-generating code names programs this code never loads:
+    selection passes over it and says why in the lookup."""
     stale = replace(_entry(batch=32), source="0123456789abcdef")
-    unrecorded = replace(_entry(batch=16), source="")
     current = _entry(batch=8)
     assert "source 0123456789abcdef (here " in stale.incompatibility
-    assert "source unrecorded" in unrecorded.incompatibility and current.incompatibility is None
-    best, _ = select_configuration([stale, unrecorded, current], {}, num_cores=2)
+    assert current.incompatibility is None
+    best, _ = select_configuration([stale, current], {}, num_cores=2)
     assert best is current
     assert "(not loadable here)" in describe_rows([stale])[1][-2]
 

@@ -78,14 +78,6 @@ def test_a_fresh_machine_fetches_the_prepared_model(digest, tmp_path, monkeypatc
     assert prebuilt.bundled_model(cache_for(tmp_path)) == (model_dir, "local")
 
 
-def test_an_older_marker_gets_its_digest_when_uploaded(digest, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_AOT_MODELS_DIR", str(tmp_path / "models"))
-    model_dir = fake_prepared(tmp_path / "models", {"format_version": VERSION, "source": "x.gguf"})
-    assert prebuilt.sync_artefacts(cache_for(tmp_path), push=True, pull=False) == (1, 0)
-    assert prepare.read_marker(model_dir)["digest"] == digest
-    assert (tmp_path / "store" / f"artefacts/models/{digest}/config.json").is_file()
-
-
 def test_a_corrupted_remote_model_is_ignored_and_converted_here(
     digest, tmp_path, monkeypatch, caplog
 ):

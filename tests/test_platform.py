@@ -109,6 +109,27 @@ def test_a_kv_cache_dtype_in_additional_config_must_agree_with_the_flag(tiny_mod
         )
 
 
+@pytest.mark.parametrize(("max_num_seqs", "max_num_batched_tokens"), [(128, 2048), (256, 4096)])
+def test_a_given_batch_limit_is_compiled_even_where_it_equals_vllms_default(
+    tiny_model_dir, max_num_seqs, max_num_batched_tokens
+):
+    """vLLM's CPU defaults are 128 or 256 sequences and 2048 or 4096 tokens: given explicitly,
+    they are the compiled shapes; not given, ours (32 sequences, 512 tokens or max_model_len)."""
+    config = engine_config(
+        tiny_model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    runtime = AotOptions.of(config).runtime
+    assert (runtime.max_num_seqs, runtime.max_num_batched_tokens) == (
+        max_num_seqs,
+        max_num_batched_tokens,
+    )
+    assert runtime.decode_batch_buckets[-1] == max_num_seqs
+    assert config.scheduler_config.max_num_seqs == max_num_seqs
+    runtime = AotOptions.of(engine_config(tiny_model_dir, max_num_batched_tokens=None)).runtime
+    assert (runtime.max_num_seqs, runtime.max_num_batched_tokens) == (32, 256)
+    assert runtime.decode_batch_buckets[-1] == 32
+
+
 @pytest.mark.parametrize("max_logprobs", [-1, 50, 20])
 def test_max_logprobs_is_what_the_head_computes(tiny_model_dir, max_logprobs):
     """-1 is vLLM's "no limit": all 20 the head programs compute. A request asking more gets
@@ -241,13 +262,14 @@ def test_a_conversion_we_do_not_serve_is_refused(tiny_model_dir):
 
 
 def test_an_unchunked_pooling_model_needs_a_whole_prompt_a_step(embedding_model_dir):
-    """vLLM checks its own flags; the compiled shapes come from --additional-config too."""
+    """vLLM checks its own flags (none given here: its default holds a prompt); the compiled
+    shapes come from --additional-config too."""
     extra = {"backend": "eager", "max_num_batched_tokens": 128}
     with pytest.raises(ValueError, match="supported: max_num_batched_tokens >= max_model_len"):
         engine_config(
             embedding_model_dir,
             max_model_len=256,
-            max_num_batched_tokens=512,
+            max_num_batched_tokens=None,
             additional_config=extra,
         )
 

@@ -36,7 +36,7 @@ def test_configuration_order_flags_then_registry_then_defaults():
     assert chosen.vllm_args == ("--max-num-seqs", "8", "--max-model-len", "1024", "--dtype",
                                 "bfloat16")  # fmt: skip
     assert chosen.additional_config == {"block_size": 32, "decode_batch_buckets": (1, 8)}
-    assert "batch_size = 8 (from --batch-size)" in chosen.reasons
+    assert "max_num_seqs = 8 (from --batch-size)" in chosen.reasons
     assert "cached configuration abc (local)" in chosen.reasons
     assert any("max_model_len = 1024 (compiled configuration" in r for r in chosen.reasons)
     defaults = choose_config(ShapeFlags())
@@ -47,7 +47,7 @@ def test_configuration_order_flags_then_registry_then_defaults():
 def test_exported_directory_fixes_the_shapes_and_refuses_contradictions():
     chosen = choose_config(ShapeFlags(batch_size=8), manifest=MANIFEST, artifact_dir="/x")
     assert chosen.vllm_args == ()
-    assert "batch_size = 8 (from the exported directory /x)" in chosen.reasons
+    assert "max_num_seqs = 8 (from the exported directory /x)" in chosen.reasons
     assert "dtype = float32 (from the exported directory /x)" in chosen.reasons
     with pytest.raises(ValueError, match=r"--max-model-len 1024 \(it was compiled for 512\)"):
         choose_config(ShapeFlags(max_model_len=1024), manifest=MANIFEST)
@@ -84,7 +84,7 @@ def test_passthrough_flags_are_kept_and_contradictions_refused():
     )
     assert chosen.vllm_args == ("--max_num_seqs=4", "--api-key", "k")
     assert chosen.additional_config == {"backend": "eager", "x": 1}
-    assert "batch_size = 4 (from --max-num-seqs)" in chosen.reasons
+    assert "max_num_seqs = 4 (from --max-num-seqs)" in chosen.reasons
     assert flag_value(chosen.vllm_args, "--max-num-seqs") == "4"
     with pytest.raises(ValueError, match="--batch-size 8 contradicts --max-num-seqs 4"):
         choose_config(ShapeFlags(batch_size=8), passthrough=("--max-num-seqs", "4"))
@@ -274,3 +274,17 @@ def test_replicas_start_with_short_spins_huge_pages_and_a_lowered_front_end_unle
     assert env["VLLM_AOT_FRONT_END_NICE"] == "idle"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's choice stands
     assert server_env()["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_serve_pins_vllms_flags_as_vllm_parses_them_and_the_platform_resolves_them():
+    """A vLLM flag passed through is read by vLLM's parser (underscores, `=`, JSON) and pinned
+    for the registry as the platform will resolve it; an explicit 128 is 128."""
+    from vllm_aot.serve.selection import requested_shapes
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    passthrough = ("--max_num_seqs=128", "--kv-cache-dtype", "fp8", "--speculative-config", spec)
+    requested = requested_shapes(ShapeFlags(max_model_len=512), passthrough)
+    assert requested["max_num_seqs"] == 128 and requested["max_model_len"] == 512
+    assert requested["kv_cache_dtype"] == "fp8_e4m3" and requested["num_speculative_tokens"] == 3
+    assert (requested["dtype"], requested["quantization"]) == ("bfloat16", "none")
+    assert requested["block_size"] is None and requested["runner"] is None

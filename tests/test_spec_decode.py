@@ -141,21 +141,23 @@ def test_registry_keys_and_shows_the_speculative_configuration():
 def test_options_take_the_drafts_from_the_speculative_config(tiny_model_dirs):
     from vllm_aot.plugin.options import resolve_options
 
-    common = dict(
-        model=str(tiny_model_dirs("llama")),
+    vllm = dict(
         dtype="float32",
+        quantization=None,
+        runner="generate",
+        convert=None,
+        num_speculative_tokens=K,
+        tensor_parallel_size=1,
+        enable_expert_parallel=False,
         max_model_len=256,
-        is_max_model_len_set=True,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=16,
-        is_block_size_set=True,
     )
-    options = resolve_options(**common, extra={}, num_speculative_tokens=K)
+    given = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
+    common = dict(model=str(tiny_model_dirs("llama")), given=given, vllm=vllm)
+    options = resolve_options(**common, extra={})
     assert options.runtime.num_speculative_tokens == K
     assert options.runtime.verify_batch_buckets == (1, 2, 4)
-    with pytest.raises(ValueError, match="--speculative-config asks 3"):
-        resolve_options(**common, extra={"num_speculative_tokens": 2}, num_speculative_tokens=K)
+    with pytest.raises(ValueError, match="--speculative-config num_speculative_tokens asks 3"):
+        resolve_options(**common, extra={"num_speculative_tokens": 2})
 
 
 def test_the_whole_model_as_its_own_draft_is_multi_step_decoding(tiny_model_dirs, tmp_path):

@@ -10,7 +10,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_aot import paths
 from vllm_aot.cache.keys import cpu_target, versions
 from vllm_aot.cache.local import LocalCache
 from vllm_aot.cache.program_cache import ProgramCache
@@ -33,7 +32,6 @@ class CacheStatus:
     locks: list[LockState] = field(default_factory=list)
     abandoned: list[Path] = field(default_factory=list)
     configurations: int = 0
-    legacy: list[Path] = field(default_factory=list)  # caches of an older vllm-aot layout
     remote_url: str | None = None
     remote_entries: int | None = None
     remote_failure: str | None = None  # why the remote store could not be read
@@ -51,11 +49,6 @@ def current_version() -> str:
     return f"torch {v['torch']}, vllm-aot {v['vllm_aot']}, target {cpu_target()}"
 
 
-def legacy_dirs() -> list[Path]:
-    old = paths.cache_root() / "programs"  # vllm-aot 0.1 before the content-addressed cache
-    return [old] if old.is_dir() else []
-
-
 def status(cache: ProgramCache) -> CacheStatus:
     local = cache.local
     result = CacheStatus(root=local.root, remote_url=cache.remote.url if cache.remote else None)
@@ -71,7 +64,6 @@ def status(cache: ProgramCache) -> CacheStatus:
         result.locks.append(LockState(key, local.is_locked(key), described))
     result.abandoned = local.abandoned_staging()
     result.configurations = len(cache.registry.local_entries())
-    result.legacy = legacy_dirs()
     if cache.remote is not None:
         result.remote_entries = len(cache.remote.entry_keys())
         result.remote_failure = cache.remote.failure
@@ -82,7 +74,7 @@ def status(cache: ProgramCache) -> CacheStatus:
 
 def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
     """Remove failed records, stale locks, abandoned staging directories, entries and registry
-    records of other versions/targets, and legacy caches. Returns what it removed (or would)."""
+    records of other versions/targets. Returns what it removed (or would)."""
     local: LocalCache = cache.local
     here = current_version()
     doomed: list[tuple[str, Path]] = []
@@ -105,7 +97,6 @@ def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
             path = cache.registry.root / entry.arch_digest / f"{entry.name}.json"
             doomed.append((f"configuration {entry.name} ({entry.incompatibility})", path))
     doomed += [(f"malformed registry record {p}", p) for p in cache.registry.malformed_local()]
-    doomed += [(f"legacy cache {p}", p) for p in legacy_dirs()]
     done = []
     for what, path in doomed:
         if not path.exists():

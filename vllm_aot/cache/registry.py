@@ -34,20 +34,11 @@ from vllm_aot.cache.trust import is_hex_digest
 from vllm_aot.files import write_json_atomic
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.options import SELECTABLE
 
 logger = logging.getLogger(__name__)
 
-# Fields a user may pin when selecting (serve flags), with the registry field they compare to.
-RUNTIME_SELECTABLE = (
-    "max_num_seqs",
-    "max_model_len",
-    "block_size",
-    "max_num_batched_tokens",
-    "dtype",
-)  # every record holds these
-# Fields records written before they existed lack: their value there.
-_LATER_FIELDS = {"quantization": "none", "kv_cache_dtype": "auto", "num_speculative_tokens": 0}
-SELECTABLE = (*RUNTIME_SELECTABLE, *_LATER_FIELDS, "tensor_parallel_size")
+_SHAPE_FIELDS = frozenset(RuntimeConfig().shape_fields())
 
 
 @dataclass(frozen=True)
@@ -58,11 +49,9 @@ class CompiledConfiguration:
     target: str
     torch: str
     vllm_aot: str
+    source: str  # the program-generating code's digest (cache keys' "source")
     programs: dict[str, str] = field(default_factory=dict)  # program name -> cache key
-    tensor_parallel_size: int = 1
     created: float = 0.0
-    # The program-generating code's digest (cache keys' "source"); "" in records older than it
-    source: str = ""
     location: str = "local"  # where it was found (not stored)
 
     @classmethod
@@ -75,7 +64,6 @@ class CompiledConfiguration:
             runtime=config.shape_fields(),
             target=cpu_target(),
             programs=dict(sorted(programs.items())),
-            tensor_parallel_size=config.tensor_parallel_size,
             created=time.time(),
             source=generator_source_digest(),
             **versions(),
@@ -86,16 +74,16 @@ class CompiledConfiguration:
         """Digest of what makes it a distinct configuration (shapes, TP, target, versions, the
         code that generated its programs): records of the same shapes from two versions of the
         code live side by side, each loadable where that code runs."""
-        fields = (self.runtime, self.tensor_parallel_size, self.target, self.torch, self.vllm_aot)
-        return digest((*fields, self.source) if self.source else fields, 16)
+        return digest((self.runtime, self.target, self.torch, self.vllm_aot, self.source), 16)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.runtime["tensor_parallel_size"]
 
     def value(self, name: str) -> Any:
-        """A selectable field; quantization "none" for dense weights."""
-        if name == "tensor_parallel_size":
-            return self.tensor_parallel_size
-        if name in _LATER_FIELDS:
-            return self.runtime.get(name) or _LATER_FIELDS[name]
-        return self.runtime[name]
+        """A selectable field (`runtime/options.py`); quantization "none" for dense weights."""
+        value = self.runtime[name]
+        return "none" if name == "quantization" and value is None else value
 
     @property
     def incompatibility(self) -> str | None:
@@ -104,7 +92,7 @@ class CompiledConfiguration:
         serving the record would only recompile its shapes instead of today's defaults)."""
         here = {"target": cpu_target(), **versions(), "source": generator_source_digest()}
         there = {"target": self.target, "torch": self.torch, "vllm_aot": self.vllm_aot}
-        there["source"] = self.source or "unrecorded"
+        there["source"] = self.source
         wrong = [f"{k} {there[k]} (here {here[k]})" for k in here if there[k] != here[k]]
         return ", ".join(wrong) or None
 
@@ -213,8 +201,6 @@ def parse_record(payload: Any, location: str) -> CompiledConfiguration:
     texts = (entry.architecture, entry.target, entry.torch, entry.vllm_aot, entry.source)
     if not all(isinstance(text, str) for text in texts):
         raise ValueError("architecture, target, torch, vllm_aot and source must be strings")
-    if not isinstance(entry.tensor_parallel_size, int) or entry.tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size {entry.tensor_parallel_size!r}")
     if not isinstance(entry.created, (int, float)):
         raise ValueError(f"created {entry.created!r} is not a time")
     programs = entry.programs
@@ -223,8 +209,8 @@ def parse_record(payload: Any, location: str) -> CompiledConfiguration:
     ):
         raise ValueError("programs must map program names to cache keys")
     runtime = entry.runtime
-    if not isinstance(runtime, dict) or not set(RUNTIME_SELECTABLE) <= set(runtime):
-        raise ValueError(f"runtime must hold {list(RUNTIME_SELECTABLE)}")
+    if not isinstance(runtime, dict) or not set(runtime) >= _SHAPE_FIELDS:
+        raise ValueError(f"runtime must hold {sorted(_SHAPE_FIELDS)}")
     try:
         RuntimeConfig.from_dict(runtime)
     except (TypeError, ValueError) as exc:

@@ -9,7 +9,14 @@ from pathlib import Path
 
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
-from vllm_aot.runtime.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS
+from vllm_aot.runtime.options import OPTIONS, Option
+
+# serve flags given their default when left out (the others: None, so a choice can fill them).
+_SERVE_DEFAULTED = ("tensor_parallel_size", "backend")
+_SERVE_NOTES = {
+    "quantization": "; for the bundled model, gguf unless --dtype is given",
+    "tensor_parallel_size": "; vLLM's executor runs one worker each",
+}
 
 
 def resolve_model(name: str | None, cache=None) -> Path:
@@ -47,84 +54,46 @@ def int_list(text: str) -> tuple[int, ...]:
         ) from exc
 
 
+def _add_option(group, option: Option, default, note: str = "") -> None:
+    """`option`'s command flag: a switch, a list of integers, one of its choices, or an integer."""
+    shown = f"{option.help} (default: {default})" if default not in (None, ()) else option.help
+    shown += note
+    if isinstance(option.default, bool):
+        group.add_argument(option.cli_flag, action="store_true", help=option.help)
+    elif isinstance(option.default, tuple):
+        group.add_argument(option.cli_flag, type=int_list, default=default, help=option.help)
+    elif option.choices:
+        group.add_argument(option.cli_flag, default=default, choices=option.choices, help=shown)
+    else:
+        group.add_argument(option.cli_flag, type=int, default=default, help=shown)
+
+
 def add_config_args(parser: argparse.ArgumentParser, *, backend: str = "inductor") -> None:
+    """Every compiled-shape option with a command flag, at its default (`runtime/options.py`)."""
     g = parser.add_argument_group("compiled shapes")
-    g.add_argument("--batch-size", type=int, default=32, help="max sequences per decode step")
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="largest prefill chunk")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES],
-        help="KV cache elements (auto: --dtype; fp8 is fp8_e4m3)",
-    )
-    g.add_argument("--backend", default=backend, choices=["inductor", "eager"])
-    g.add_argument("--decode-batch-buckets", type=int_list, default=())
-    g.add_argument("--decode-context-buckets", type=int_list, default=(), help="tokens")
-    g.add_argument("--prefill-token-buckets", type=int_list, default=())
-    g.add_argument("--prefill-context-buckets", type=int_list, default=(), help="tokens")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks the model is split over (here: one process each on this machine)",
-    )
-    g.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="an MoE model's experts split whole over the ranks (vLLM's flag)",
-    )
+    for option in OPTIONS:
+        if option.cli_flag and option.is_runtime:
+            _add_option(g, option, backend if option.name == "backend" else option.default)
 
 
 def config_from_args(args: argparse.Namespace):
     from vllm_aot.runtime.config import RuntimeConfig
 
+    fields = {o.name: getattr(args, o.dest) for o in OPTIONS if o.cli_flag and o.is_runtime}
     try:
-        return RuntimeConfig(
-            max_num_seqs=args.batch_size,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            dtype=args.dtype,
-            backend=args.backend,
-            decode_batch_buckets=args.decode_batch_buckets,
-            decode_context_buckets=args.decode_context_buckets,
-            prefill_token_buckets=args.prefill_token_buckets,
-            prefill_context_buckets=args.prefill_context_buckets,
-            num_kv_blocks=args.num_kv_blocks,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enable_expert_parallel=args.enable_expert_parallel,
-        )
+        return RuntimeConfig(**fields)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("configuration (default: exported dir, else defaults)")
-    g.add_argument("--batch-size", type=int, default=None, help="max sequences per step")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    g.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATIONS,
-        help="gguf: the model's .gguf blocks as they are (the bundled model's default); int8: "
-        "every linear quantised at load (default: dense weights; for the bundled model, gguf "
-        "unless --dtype is given)",
+    g = parser.add_argument_group(
+        "configuration (default: exported dir, else the cache registry's, else defaults)"
     )
-    g.add_argument("--kv-cache-dtype", default=None, choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES])
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks each replica's model is split over (vLLM's executor runs one worker each)",
-    )
+    for option in OPTIONS:
+        if option.serve:  # not given: None, and the exported dir, registry or defaults decide
+            default = option.default if option.name in _SERVE_DEFAULTED else None
+            _add_option(g, option, default, _SERVE_NOTES.get(option.name, ""))
     g = parser.add_argument_group("data parallelism")
     g.add_argument("--data-parallel-size", type=int, default=1, help="replicas behind a proxy")
     g.add_argument("--cores", default=None, help="cores to split among replicas, e.g. 0-3,8-11")

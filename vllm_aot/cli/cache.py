@@ -49,8 +49,6 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
         console.print(f"lock {lock.key}: {state}")
     for path in s.abandoned:
         console.print(f"abandoned staging directory: {path}")
-    for path in s.legacy:
-        console.print(f"legacy cache (older vllm-aot layout): {path}")
     return 0
 
 

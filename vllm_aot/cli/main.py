@@ -22,7 +22,6 @@ from vllm_aot.cli.args import (
 )
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
-from vllm_aot.serve.settings import flag_value
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -138,10 +137,11 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     """vLLM's OpenAI server on our platform (N replicas behind a proxy with
     --data-parallel-size); unknown flags go to vLLM unchanged."""
     from vllm_aot.loading.prebuilt import ensure_model_infos
+    from vllm_aot.plugin.engine_flags import parse_vllm_flags
     from vllm_aot.serve.launch import run_serve
 
     cache = cache_from_args(args)
-    if args.model is None and flag_value(vllm_args, "--runner") == "pooling":
+    if args.model is None and parse_vllm_flags(vllm_args).given.get("runner") == "pooling":
         args.model = EMBEDDING_MODEL_NAME  # the bundled embedding model, as the chat one otherwise
     model_dir = resolve_model(args.model, cache)
     ensure_model_infos(cache)  # spares vLLM inspecting the model class in a fresh interpreter
@@ -174,7 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="HF or exported directory (default: bundled)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--require-cached", action="store_true", help="never compile; fail instead")
     add_serve_args(p)
     add_cache_args(p)

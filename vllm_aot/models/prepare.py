@@ -27,7 +27,6 @@ from vllm_aot.files import (
     file_sha256,
     remove_staging_leftovers,
     staged_dir,
-    write_json_atomic,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,15 +86,8 @@ def read_marker(model_dir: Path) -> dict[str, Any] | None:
 
 
 def recorded_digest(model_dir: Path) -> str | None:
-    """The prepared digest a whole directory records (None when it is not one). A marker written
-    before digests were recorded gets the installed GGUF's, written back."""
-    marker = read_marker(model_dir)
-    if marker is None or not is_prepared(model_dir):
-        return None
-    if "digest" not in marker:
-        marker["digest"] = prepared_digest(find_default_gguf())
-        write_json_atomic(Path(model_dir) / MARKER, marker)
-    return marker["digest"]
+    """The prepared digest a whole directory records (None when it is not one)."""
+    return (read_marker(model_dir) or {}).get("digest") if is_prepared(model_dir) else None
 
 
 def is_prepared(model_dir: Path, digest: str | None = None) -> bool:

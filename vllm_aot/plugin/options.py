@@ -1,41 +1,50 @@
-"""AotOptions: our settings for one vLLM engine, resolved once from vLLM's config.
+"""AotOptions: our settings for one vLLM engine, resolved once from vLLM's configuration.
 
-Sources, in order: an exported artifact directory given as the model (its manifest fixes every
-shape; a --kv-cache-dtype other than its own is refused); vLLM's own flags where the user set
-them (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --dtype,
---kv-cache-dtype, --quantization: each linear's weight format is resolved here, from the model's
-.gguf for gguf); `--additional-config` keys named like RuntimeConfig fields (`backend`,
-`decode_batch_buckets`, ...) plus the cache options (`cache_dir`, `remote_cache`,
-`cache_upload`, `require_cached`) and the engine's `num_threads`; otherwise our defaults. The
-platform resolves them in the front-end process and stores the result in
-`additional_config["vllm_aot"]`, which vLLM hands to the engine and worker.
+The options are `runtime/options.py`'s table. Sources, in order: an exported artifact directory
+given as the model (its manifest fixes every shape; a flag contradicting it is refused); vLLM's
+flags as the user gave them, read before vLLM fills in its own defaults (`plugin/engine_flags.py`:
+`--max-num-seqs 128` is 128), and what vLLM decided (`VLLM_DECIDES`: the dtype, the quantization,
+whose linears' formats are resolved here, from the model's .gguf for gguf, the runner, --convert,
+the drafts of --speculative-config, TP and EP); `--additional-config` keys named like the options
+(`backend`, `decode_batch_buckets`, `cache_dir`, `num_threads`, ...; one that a given flag also
+sets must agree with it); otherwise our defaults (`RuntimeConfig`'s, and for the length the
+model's limit where it is shorter). The platform resolves them once in the front-end process and
+stores the result in `additional_config["vllm_aot"]`, which the engine, the scheduler and the
+worker read (`AotOptions.of`); `vllm-aot serve` pins its choices with the same `pinned_fields`
+and `check_artifact`.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
 from vllm_aot.models.checkpoints import resolve_weight_formats
+from vllm_aot.placement import available_cores, split_front_end
+from vllm_aot.plugin.engine_flags import GIVEN_KEY, given_in_config
+from vllm_aot.plugin.front_end import front_end_nice
+from vllm_aot.plugin.spec_decode import draft_plan, num_speculative_tokens
 from vllm_aot.runtime.config import RuntimeConfig, kv_cache_dtype_name
+from vllm_aot.runtime.options import BY_NAME, ENGINE_OPTIONS, SPECULATIVE_FLAG
 
 RESOLVED_KEY = "vllm_aot"
-OPTION_KEYS = (
-    "cache_dir",
-    "remote_cache",
-    "cache_upload",
-    "require_cached",
-    "stats_file",
-    "num_threads",
-    "draft_layers",
+# Options vLLM decides (its flag, else its default or the model's): the runtime follows it, and
+# `--additional-config` may only repeat its value.
+VLLM_DECIDES = (
+    "dtype",
+    "quantization",
+    "runner",
+    "convert",
+    "num_speculative_tokens",
+    "tensor_parallel_size",
+    "enable_expert_parallel",
 )
-# vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
-# a value equal to one of these means the user did not choose one, so ours applies.
-_VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256)
-_VLLM_DEFAULT_MAX_BATCHED_TOKENS = (2048, 4096)
-DEFAULT_MAX_MODEL_LEN = 2048
+_PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")
 # vLLM's --kv-cache-dtype values we run besides "auto" and the model's dtype ("fp8" = "fp8_e4m3").
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # An encoder's vLLM step holds up to this many of its largest encode programs: a request's whole
@@ -105,8 +114,13 @@ class AotOptions:
             runtime=runtime, artifact_dir=Path(artifact_dir) if artifact_dir else None, **fields
         )
 
+    @classmethod
+    def of(cls, vllm_config) -> AotOptions:
+        """The options the platform resolved for this engine's configuration."""
+        return cls.from_dict(vllm_config.additional_config[RESOLVED_KEY])
 
-def _dtype_name(dtype: Any) -> str:
+
+def dtype_name(dtype: Any) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"dtype {name} is not supported by vllm-aot; supported: bfloat16, float32")
@@ -117,7 +131,7 @@ def _default_chunk(runner: str, max_model_len: int) -> int:
     """The largest prefill (encode) bucket when not given. Pooling steps may hold whole prompts
     (vLLM chunks no bidirectional or mean-pooled one), several to a bucket: at least one of
     max_model_len."""
-    default = RuntimeConfig.__dataclass_fields__["max_num_batched_tokens"].default
+    default = BY_NAME["max_num_batched_tokens"].default
     return min(default, max_model_len) if runner == "generate" else max(default, max_model_len)
 
 
@@ -128,142 +142,191 @@ def step_token_budget(runtime: RuntimeConfig) -> int:
     return runtime.max_num_batched_tokens * (ENCODE_PROGRAMS_PER_STEP if is_encoder else 1)
 
 
-def _check_speculative(asked: int, given: int | None, artifact: str | None = None) -> None:
-    """--speculative-config's drafts per step (`asked`) against another source's (`given`: the
-    exported directory's, or --additional-config's; None: not given)."""
-    if given is None or given == asked:
-        return
-    source = (
-        f"{artifact} is an exported directory compiled for"
-        if artifact
-        else "--additional-config sets"
-    )
-    raise ValueError(
-        f"{source} num_speculative_tokens {given}; --speculative-config asks {asked} "
-        "(give it there)"
-    )
+def flag_text(name: str) -> str:
+    """How a command line gives option `name`: its vLLM flag, else --additional-config's key."""
+    flag = BY_NAME[name].vllm_flag
+    if flag == SPECULATIVE_FLAG:
+        return f"{flag} {name}"
+    return flag or f"--additional-config {name}"
 
 
-def _artifact_runtime(
-    model: str,
-    kv: str | None,
-    num_speculative_tokens: int,
-    parallel: tuple[int, bool],
-    extra,
-) -> RuntimeConfig:
-    """An exported directory's configuration; ValueError for a flag contradicting it (`parallel`:
-    --tensor-parallel-size and --enable-expert-parallel)."""
-    runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
-    if kv is not None and kv_cache_dtype_name(kv) != runtime.kv_cache_dtype:
-        raise ValueError(
-            f"{model} is an exported directory compiled for kv_cache_dtype "
-            f"{runtime.kv_cache_dtype}; --kv-cache-dtype {kv} contradicts it"
-        )
-    _check_speculative(num_speculative_tokens, runtime.num_speculative_tokens, model)
-    tensor_parallel_size, enable_expert_parallel = parallel
-    if runtime.tensor_parallel_size != tensor_parallel_size:
-        raise ValueError(
-            f"{model} is an exported directory compiled for tensor_parallel_size "
-            f"{runtime.tensor_parallel_size}; --tensor-parallel-size {tensor_parallel_size} "
-            "contradicts it"
-        )
-    if runtime.enable_expert_parallel != enable_expert_parallel:
-        raise ValueError(
-            f"{model} is an exported directory compiled with enable_expert_parallel "
-            f"{runtime.enable_expert_parallel}; give --enable-expert-parallel exactly when it is"
-        )
-    if extra:
-        raise ValueError(
-            f"{model} is an exported directory whose shapes are fixed; "
-            f"remove {', '.join(extra)} from --additional-config"
-        )
-    return runtime
+def _normal(name: str, value: Any, dtype: str | None) -> Any:
+    """An option's value as RuntimeConfig holds it; None for one that means "not given" (a KV
+    cache dtype of "auto" or the model's dtype)."""
+    if name == "dtype":
+        return dtype_name(value)
+    if name == "kv_cache_dtype":
+        return None if value in ("auto", dtype) else kv_cache_dtype_name(value)
+    if name.endswith("_buckets") or name == "weight_formats":
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
 
 
-def _parallel_fields(parallel: tuple[int, bool], extra: dict[str, Any]) -> dict[str, Any]:
-    """The configuration's fields for --tensor-parallel-size and --enable-expert-parallel (vLLM's
-    flags: their values, not --additional-config's, which may only repeat them)."""
-    tensor_parallel_size, enable_expert_parallel = parallel
-    if extra.get("enable_expert_parallel", enable_expert_parallel) != enable_expert_parallel:
+def pinned_fields(
+    given: dict[str, Any], extra: dict[str, Any], dtype: str | None = None
+) -> dict[str, Any]:
+    """The RuntimeConfig fields a command line fixes: vLLM's flags the user gave (`given`, option
+    name -> value) and `--additional-config`'s (`extra`), normalised; ValueError where the two
+    disagree. `dtype` is the model's (a KV cache dtype equal to it is "auto")."""
+    pinned: dict[str, Any] = {}
+    for source in (given, extra):
+        for name, value in source.items():
+            if not BY_NAME[name].is_runtime:
+                continue
+            value = _normal(name, value, dtype)
+            if value is None:
+                continue
+            if pinned.setdefault(name, value) != value:
+                raise ValueError(
+                    f"{flag_text(name)} {given[name]} contradicts --additional-config {name} "
+                    f"{extra[name]!r}; give one"
+                )
+    return pinned
+
+
+def check_artifact(
+    model: str | None, runtime: RuntimeConfig, asked: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """ValueError naming every option in `asked` (pinned fields) that exported directory `model`
+    (compiled for `runtime`) contradicts, or `--additional-config` shapes (`extra`)."""
+    where = f"the exported directory {model}" if model else "the exported directory"
+    conflicts = [
+        f"{flag_text(name)} {value} (it was compiled for {getattr(runtime, name)})"
+        for name, value in asked.items()
+        if value != getattr(runtime, name)
+    ]
+    if conflicts:
         raise ValueError(
-            "--additional-config enable_expert_parallel contradicts --enable-expert-parallel "
-            "(give the flag alone)"
+            f"{where} fixes its shapes; these flags contradict it: {'; '.join(conflicts)}. "
+            "Drop them, or export again with the configuration you need."
         )
-    fields: dict[str, Any] = {"enable_expert_parallel": True} if enable_expert_parallel else {}
-    if tensor_parallel_size != 1:
-        fields["tensor_parallel_size"] = tensor_parallel_size
-    return fields
+    shapes = sorted(name for name in extra if name in BY_NAME and BY_NAME[name].is_runtime)
+    if shapes:
+        raise ValueError(
+            f"{where} fixes its shapes; remove {', '.join(shapes)} from --additional-config"
+        )
+
+
+def _split_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """--additional-config as (RuntimeConfig fields, engine options); ValueError naming unknown
+    keys. Keys vLLM itself puts there (other than ours) are not the user's."""
+    extra = {k: v for k, v in extra.items() if k != RESOLVED_KEY}
+    unknown = sorted(set(extra) - set(BY_NAME))
+    if unknown:
+        raise ValueError(
+            f"unknown vllm-aot option(s) in --additional-config: {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(BY_NAME))}"
+        )
+    engine = {k: extra.pop(k) for k in ENGINE_OPTIONS if k in extra}
+    return extra, engine
 
 
 def resolve_options(
     *,
     model: str,
-    dtype: Any,
-    quantization: str | None = None,
-    max_model_len: int,
-    is_max_model_len_set: bool,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    block_size: int,
-    is_block_size_set: bool,
+    given: dict[str, Any],
+    vllm: dict[str, Any],
     extra: dict[str, Any],
-    kv_cache_dtype: str = "auto",
-    runner: str = "generate",
-    convert: str | None = None,
-    num_speculative_tokens: int = 0,
-    tensor_parallel_size: int = 1,
-    enable_expert_parallel: bool = False,
+    decided: dict[str, Any] | None = None,
 ) -> AotOptions:
-    """Decide the compiled shapes for an engine (see the module docstring for precedence).
-    `kv_cache_dtype` is vLLM's --kv-cache-dtype: "auto", the model's dtype or an fp8 one;
-    `num_speculative_tokens` is --speculative-config's (0: none)."""
-    extra = {k: v for k, v in (extra or {}).items() if k != RESOLVED_KEY}
-    known = set(RuntimeConfig.__dataclass_fields__) | set(OPTION_KEYS)
-    unknown = sorted(set(extra) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown vllm-aot option(s) in --additional-config: {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    options = {k: extra.pop(k) for k in OPTION_KEYS if k in extra}
-    _check_speculative(num_speculative_tokens, extra.get("num_speculative_tokens"))
-    kv = None if kv_cache_dtype in ("auto", str(dtype).removeprefix("torch.")) else kv_cache_dtype
-    parallel = (tensor_parallel_size, enable_expert_parallel)
+    """Decide an engine's options (see the module docstring for precedence). `given`: vLLM's
+    flags the user gave (option name -> value, before vLLM's defaults); `vllm`: vLLM's values of
+    `VLLM_DECIDES` and `max_model_len` (the length it allows: the given one, else the model's);
+    `extra`: --additional-config; `decided`: engine options the platform fixed (stats file,
+    draft plan, front-end cores)."""
+    extra, engine = _split_extra(extra)
+    engine |= decided or {}
+    decides = {name: vllm[name] for name in VLLM_DECIDES}
+    decides["dtype"] = dtype_name(decides["dtype"])
+    user = {k: v for k, v in given.items() if k not in VLLM_DECIDES}
+    fields = pinned_fields(user, extra, decides["dtype"])
     if is_artifact_dir(model):
-        runtime = _artifact_runtime(model, kv, num_speculative_tokens, parallel, sorted(extra))
-        return AotOptions(runtime=runtime, artifact_dir=Path(model), **options)
-    fields: dict[str, Any] = {
-        "max_model_len": max_model_len
-        if is_max_model_len_set
-        else min(max_model_len, DEFAULT_MAX_MODEL_LEN),
-        "dtype": _dtype_name(dtype),
-        "runner": runner,
-        "convert": convert,
-    }
-    if quantization is not None:
-        fields["quantization"] = quantization
-    if num_speculative_tokens:
-        fields["num_speculative_tokens"] = num_speculative_tokens
-    fields |= _parallel_fields(parallel, extra)
-    if max_num_seqs not in _VLLM_DEFAULT_MAX_NUM_SEQS:
-        fields["max_num_seqs"] = max_num_seqs
-    if max_num_batched_tokens not in _VLLM_DEFAULT_MAX_BATCHED_TOKENS:
-        fields["max_num_batched_tokens"] = max_num_batched_tokens
-    if is_block_size_set:
-        fields["block_size"] = block_size
-    fields.update(extra)
-    if kv is not None:
-        given = fields.setdefault("kv_cache_dtype", kv)
-        if kv_cache_dtype_name(given) != kv_cache_dtype_name(kv):
+        runtime = RuntimeConfig.from_dict(read_manifest(model)["config"])
+        asked = pinned_fields(given, {}, decides["dtype"])
+        asked |= {k: decides[k] for k in ("num_speculative_tokens", *_PARALLEL)}
+        check_artifact(model, runtime, asked, extra)
+        return AotOptions(runtime=runtime, artifact_dir=Path(model), **engine)
+    for name, value in decides.items():
+        if fields.setdefault(name, value) != value:
             raise ValueError(
-                f"--kv-cache-dtype {kv} contradicts --additional-config kv_cache_dtype {given!r}; "
-                "give one"
+                f"--additional-config sets {name} {fields[name]!r}; {flag_text(name)} asks "
+                f"{value!r} (give it there)"
             )
-    for name, value in fields.items():
-        if name.endswith("_buckets"):
-            fields[name] = tuple(value)
-    fields.setdefault("max_num_batched_tokens", _default_chunk(runner, fields["max_model_len"]))
-    if fields.get("quantization") and not fields.get("weight_formats"):
+    fields.setdefault("max_model_len", min(vllm["max_model_len"], BY_NAME["max_model_len"].default))
+    fields.setdefault(
+        "max_num_batched_tokens", _default_chunk(fields["runner"], fields["max_model_len"])
+    )
+    if fields["quantization"] and not fields.get("weight_formats"):
         dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
         fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)
-    return AotOptions(runtime=RuntimeConfig(**fields), **options)
+    return AotOptions(runtime=RuntimeConfig(**fields), **engine)
+
+
+def resolve_engine_options(vllm_config, *, is_async: bool) -> AotOptions:
+    """The options of the engine `vllm_config` configures (`is_async`: its steps scheduled
+    asynchronously), resolved once: a configuration vLLM builds again from a resolved one keeps
+    them. The user's flags are those `engine_flags.record_given` recorded."""
+    extra = dict(vllm_config.additional_config or {})
+    if RESOLVED_KEY in extra:
+        return AotOptions.of(vllm_config)
+    given = extra.pop(GIVEN_KEY, None)
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    plan = draft_plan(vllm_config.speculative_config, extra.get("draft_layers"))
+    decided = dict(plan._asdict())
+    if extra.get("stats_file") is None:
+        decided["stats_file"] = _stats_file()
+    if is_async and parallel.world_size == 1:  # steps on their thread
+        _, decided["front_end_cores"] = split_front_end(  # the engine's cores: it forks from here
+            available_cores(), is_lowered=front_end_nice() > 0
+        )
+    vllm = {
+        "dtype": model_config.dtype,
+        "quantization": model_config.quantization,
+        "runner": model_config.runner_type,
+        "convert": convert_type(model_config),
+        "num_speculative_tokens": 0 if plan.multi_step else num_speculative_tokens(vllm_config),
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "enable_expert_parallel": parallel.enable_expert_parallel,
+        "max_model_len": model_config.max_model_len,
+    }
+    given = given_in_config(vllm_config) if given is None else given
+    if "max_model_len" in given:  # as vLLM read it ("1k", or -1: the model's, fitted)
+        given = {**given, "max_model_len": model_config.max_model_len}
+    options = resolve_options(
+        model=model_config.model,
+        given=given,
+        vllm=vllm,
+        extra=extra,
+        decided=decided,
+    )
+    _refuse_uncached(model_config.model, options)
+    return options
+
+
+def convert_type(model_config) -> str | None:
+    """vLLM's --convert as the runtime names it: None for a model served as it is."""
+    convert = model_config.convert_type
+    return None if convert in (None, "none") or model_config.runner_type != "pooling" else convert
+
+
+def _stats_file() -> str:
+    """Where this front end's engine reports its start-up counters (removed at exit)."""
+    path = Path(tempfile.gettempdir()) / f"vllm-aot-stats-{os.getpid()}.json"
+    atexit.register(path.unlink, missing_ok=True)
+    return str(path)
+
+
+def _refuse_uncached(model: str, options) -> None:
+    """--require-cached: fail in the front end, before any process starts, naming what is cached
+    (an exported directory and the eager backend compile nothing)."""
+    if not options.require_cached or options.artifact_dir or options.runtime.backend != "inductor":
+        return
+    from vllm_aot.cache.program_cache import ProgramCache
+    from vllm_aot.models.registry import load_arch
+
+    cache = ProgramCache(options.cache_settings())
+    arch = load_arch(model)
+    missing = cache.missing(arch, options.runtime)
+    if missing:
+        raise ValueError(cache.miss_message(arch, missing))

@@ -8,12 +8,8 @@ scheduler limits agree with the compiled shapes.
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import logging
 import os
-import tempfile
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -21,19 +17,19 @@ import vllm.envs as envs
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
-from vllm_aot.placement import available_cores, shared_cores_problem, split_front_end
-from vllm_aot.plugin.front_end import front_end_nice, plan_front_end
+from vllm_aot.placement import available_cores, shared_cores_problem
+from vllm_aot.plugin.engine_flags import GIVEN_KEY, record_given
+from vllm_aot.plugin.front_end import plan_front_end
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import (
     FP8_KV_CACHE_DTYPES,
     RESOLVED_KEY,
-    resolve_options,
+    convert_type,
+    resolve_engine_options,
     step_token_budget,
 )
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
 from vllm_aot.plugin.spec_decode import (
-    draft_plan,
-    num_speculative_tokens,
     speculative_problems,
 )
 from vllm_aot.runtime.config import CONVERTS, QUANTIZATIONS, RUNNERS
@@ -116,17 +112,11 @@ def _refuse_runner(model_config, archs: list[str]) -> list[str]:
     runner = model_config.runner_type
     if runner not in RUNNERS:
         return [f"runner {runner!r} (supported: {', '.join(RUNNERS)})"]
-    convert = _convert(model_config)
+    convert = convert_type(model_config)
     is_encoder = bool(set(archs) & set(encoder_architectures()))
     if runner == "pooling" and not is_encoder and convert not in CONVERTS:
         return [f"--convert {convert} of a decoder (supported: {', '.join(CONVERTS)})"]
     return []
-
-
-def _convert(model_config) -> str | None:
-    """vLLM's --convert as the runtime names it: None for a model served as it is."""
-    convert = model_config.convert_type
-    return None if convert in (None, "none") or model_config.runner_type != "pooling" else convert
 
 
 def _refuse_unchunked_budget(scheduler_config, runtime) -> None:
@@ -174,29 +164,17 @@ def _max_logprobs(requested: int, num_logprobs: int) -> int:
     return requested
 
 
-def _is_async(scheduler_config, runtime, spec_config) -> bool:
+def _is_async(scheduler_config, runner: str, spec_config) -> bool:
     """Whether steps are scheduled asynchronously: vLLM's choice (before CpuPlatform's veto),
     except for pooling models and speculative decoding."""
     is_async = bool(scheduler_config.async_scheduling)
-    if is_async and runtime.runner == "pooling":  # vLLM's default for pooling models too
+    if is_async and runner == "pooling":  # vLLM's default for pooling models too
         logger.warning("vllm-aot: pooling models are scheduled synchronously")
         return False
     if is_async and spec_config is not None:  # vLLM keeps it on for draft_model
         logger.warning("vllm-aot: speculative decoding is scheduled synchronously")
         return False
     return is_async
-
-
-def _refuse_uncached(model: str, options) -> None:
-    """--require-cached: fail in the front end, before any process starts, naming what is cached."""
-    from vllm_aot.cache.program_cache import ProgramCache
-    from vllm_aot.models.registry import load_arch
-
-    cache = ProgramCache(options.cache_settings())
-    arch = load_arch(model)
-    missing = cache.missing(arch, options.runtime)
-    if missing:
-        raise ValueError(cache.miss_message(arch, missing))
 
 
 def _set_up_executor(parallel) -> None:
@@ -210,13 +188,6 @@ def _set_up_executor(parallel) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if parallel.use_ray:
         parallel.ray_runtime_env = with_setup_hook(parallel.ray_runtime_env)
-
-
-def _stats_file() -> str:
-    """Where this front end's engine reports its start-up counters (removed at exit)."""
-    path = Path(tempfile.gettempdir()) / f"vllm-aot-stats-{os.getpid()}.json"
-    atexit.register(path.unlink, missing_ok=True)
-    return str(path)
 
 
 def _log_shapes(runtime, artifact_dir, *, is_async: bool) -> None:
@@ -276,6 +247,11 @@ class AotPlatform(CpuPlatform):
             )
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        record_given()  # vLLM calls this before it fills in its defaults (plugin/engine_flags.py)
+        super().pre_register_and_update(parser)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         if model_config is None:  # bare configs built by vLLM internals and tests
@@ -283,44 +259,14 @@ class AotPlatform(CpuPlatform):
         _refuse_unsupported(vllm_config)
         cache_config = vllm_config.cache_config
         scheduler_config = vllm_config.scheduler_config
-        extra = dict(vllm_config.additional_config or {})
         spec_config = vllm_config.speculative_config
-        plan = draft_plan(spec_config, extra.get("draft_layers"))
-        options = resolve_options(
-            model=model_config.model,
-            dtype=model_config.dtype,
-            quantization=model_config.quantization,
-            max_model_len=model_config.max_model_len,
-            is_max_model_len_set=model_config.original_max_model_len is not None,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            block_size=cache_config.block_size,
-            is_block_size_set=cache_config.user_specified_block_size,
-            extra=extra,
-            kv_cache_dtype=cache_config.cache_dtype,
-            runner=model_config.runner_type,
-            convert=_convert(model_config),
-            num_speculative_tokens=0 if plan.multi_step else num_speculative_tokens(vllm_config),
-            tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
-            enable_expert_parallel=vllm_config.parallel_config.enable_expert_parallel,
-        )
+        is_async = _is_async(scheduler_config, model_config.runner_type, spec_config)
+        options = resolve_engine_options(vllm_config, is_async=is_async)
         runtime = options.runtime
-        if runtime.backend == "inductor" and options.require_cached and not options.artifact_dir:
-            _refuse_uncached(model_config.model, options)
-        if options.stats_file is None:
-            options = dataclasses.replace(options, stats_file=_stats_file())
-        options = dataclasses.replace(options, **plan._asdict())
         register_collector(options.stats_file)
-        is_async = _is_async(scheduler_config, runtime, spec_config)
         super().check_and_update_config(vllm_config)
         scheduler_config.async_scheduling = is_async
-        front_end = ()
-        if is_async and vllm_config.parallel_config.world_size == 1:  # steps on their thread
-            _, front_end = split_front_end(  # the engine's cores: it forks from here
-                available_cores(), is_lowered=front_end_nice() > 0
-            )
-            options = dataclasses.replace(options, front_end_cores=front_end)
-        plan_front_end(front_end, is_async=is_async)  # the API server's, once the engine forks
+        plan_front_end(options.front_end_cores, is_async=is_async)  # the API server's, once forked
         if os.environ.get("VLLM_AOT_ENGINE_FORK") == "1":
             # Fork the engine process from the front end instead of spawning a fresh interpreter
             # that imports vLLM again (~12 s here). `vllm-aot serve` asks for it: its front end
@@ -349,8 +295,8 @@ class AotPlatform(CpuPlatform):
             else SCHEDULER_CLS
         )
         _set_up_executor(vllm_config.parallel_config)
-        extra[RESOLVED_KEY] = options.to_dict()
-        vllm_config.additional_config = extra
+        extra = {k: v for k, v in (vllm_config.additional_config or {}).items() if k != GIVEN_KEY}
+        vllm_config.additional_config = {**extra, RESOLVED_KEY: options.to_dict()}
         _log_shapes(runtime, options.artifact_dir, is_async=is_async)
         logger.info(
             "vllm-aot: speculative decoding %s",

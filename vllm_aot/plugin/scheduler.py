@@ -35,7 +35,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_aot.plugin.faults import failed_requests
-from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.options import AotOptions
 from vllm_aot.runtime import policy
 from vllm_aot.runtime.policy import Limits, StepKind
 
@@ -170,7 +170,7 @@ class AotScheduler(ReportingScheduler):
     @functools.cached_property
     def max_verify_rows(self) -> int:
         """The widest decode batch that takes drafts (0 without speculative decoding)."""
-        options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
+        options = AotOptions.of(self.vllm_config)
         return options.max_draft_rows
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:

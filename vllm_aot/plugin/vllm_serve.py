@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import sys
 
+from vllm_aot.plugin.engine_flags import serve_parser
 from vllm_aot.plugin.front_end import front_end_nice, lower_after_engine_forks
 
 
 def main(argv: list[str] | None = None) -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="vllm")
     command = ServeSubcommand()
-    command.subparser_init(parser.add_subparsers(dest="subcommand"))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    args = serve_parser().parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     command.validate(args)
     lower_after_engine_forks(front_end_nice())  # plugin/front_end.py
     command.cmd(args)

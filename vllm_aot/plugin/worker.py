@@ -34,7 +34,7 @@ from vllm_aot.placement import RESERVED_ENV, compute_cores, pin_threads
 from vllm_aot.plugin.async_steps import AsyncSteps
 from vllm_aot.plugin.front_end import front_end_nice, lower_python_threads, python_threads
 from vllm_aot.plugin.metrics import StatsFile, StepClock, load_stats, model_stats
-from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.options import AotOptions
 from vllm_aot.plugin.parallel import join_ranks
 from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
@@ -80,7 +80,7 @@ def kv_cache_spec(arch: ModelArch, runtime: RuntimeConfig) -> dict[str, FullAtte
 class AotWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
-        self.options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
+        self.options = AotOptions.of(self.vllm_config)
         self.place = join_ranks(
             self.vllm_config,
             rank=self.rank,

@@ -33,6 +33,7 @@ from vllm_aot.placement import (
     requested_cores,
     thread_env,
 )
+from vllm_aot.plugin.engine_flags import parse_vllm_flags
 from vllm_aot.plugin.front_end import NICE_ENV
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.pool import ReplicaPool
@@ -44,13 +45,7 @@ from vllm_aot.serve.replicas import (
     ReplicaSpec,
     RestartPolicy,
 )
-from vllm_aot.serve.settings import (
-    ChosenConfig,
-    ShapeFlags,
-    choose_config,
-    flag_value,
-    with_self_draft,
-)
+from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config, with_self_draft
 
 GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (server_env)
 
@@ -72,12 +67,10 @@ def server_command(
 def default_quantization(args: argparse.Namespace, passthrough: list[str]) -> str | None:
     """gguf for the bundled model (its GGUF is what it is: dequantised weights gain no accuracy
     and cost 2.5x the reads) unless a dtype or quantization is asked for; else none."""
-    asked = (
-        args.dtype
-        or flag_value(passthrough, "--dtype")
-        or flag_value(passthrough, "--quantization")
-    )
-    return "gguf" if is_bundled(args.model) and not asked else None
+    if not is_bundled(args.model) or args.dtype:
+        return None
+    given = parse_vllm_flags(passthrough).given
+    return None if {"dtype", "quantization"} & set(given) else "gguf"
 
 
 def is_bundled(model: str | None) -> bool:

@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vllm_aot.plugin.engine_flags import parse_vllm_flags
+from vllm_aot.plugin.options import pinned_fields
 from vllm_aot.plugin.spec_decode import is_multi_step, names_target
-from vllm_aot.runtime.config import KV_CACHE_ALIASES
-from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value, speculative_tokens
+from vllm_aot.runtime.options import SELECTABLE
+from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value
 
 DEFAULT_DTYPE = "bfloat16"  # vLLM's "auto" on a CPU for float32 and bfloat16 checkpoints
-_INT_FLAGS = {
-    "max_num_seqs": "--max-num-seqs",
-    "max_model_len": "--max-model-len",
-    "block_size": "--block-size",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
+# What a command line that leaves these open runs: the platform's choice, pinned for selection.
+_UNGIVEN = {
+    "quantization": "none",
+    "kv_cache_dtype": "auto",
+    "num_speculative_tokens": 0,
+    "enable_expert_parallel": False,
 }
 
 
@@ -35,24 +38,15 @@ def asks_multi_step(passthrough: tuple[str, ...], model_dir: str, num_layers: in
 
 
 def requested_shapes(flags: ShapeFlags, passthrough: tuple[str, ...]) -> dict[str, object]:
-    """The shapes the command line pins (None where it leaves them open)."""
-    pinned: dict[str, object] = {}
-    for key, vllm_flag in _INT_FLAGS.items():
-        text = flag_value(passthrough, vllm_flag)
-        pinned[key] = int(text) if text is not None else None
-    if flags.batch_size is not None:
-        pinned["max_num_seqs"] = flags.batch_size
-    if flags.max_model_len is not None:
-        pinned["max_model_len"] = flags.max_model_len
-    dtype = flags.dtype or flag_value(passthrough, "--dtype")
-    pinned["dtype"] = DEFAULT_DTYPE if dtype in (None, "auto") else dtype
-    pinned["quantization"] = flags.quantization or flag_value(passthrough, "--quantization")
-    pinned["quantization"] = pinned["quantization"] or "none"
-    kv = flags.kv_cache_dtype or flag_value(passthrough, "--kv-cache-dtype") or "auto"
-    pinned["kv_cache_dtype"] = KV_CACHE_ALIASES.get(kv, kv)
-    pinned["tensor_parallel_size"] = flags.tensor_parallel_size
-    pinned["num_speculative_tokens"] = speculative_tokens(passthrough)
-    return pinned
+    """The shapes the command line pins (None where it leaves them open), as the platform will
+    resolve them: vLLM's flags read by vLLM's parser, then the platform's `pinned_fields`."""
+    given = {**parse_vllm_flags(passthrough).given, **flags.given()}
+    given.setdefault("dtype", DEFAULT_DTYPE)
+    pinned = pinned_fields(given, {}, dtype=given["dtype"])
+    requested = {name: pinned.get(name) for name in SELECTABLE}
+    requested |= {k: v for k, v in _UNGIVEN.items() if requested[k] is None}
+    requested["tensor_parallel_size"] = flags.tensor_parallel_size
+    return requested
 
 
 def pick_from_registry(
@@ -74,7 +68,7 @@ def pick_from_registry(
 
     if backend != "inductor":
         return None, "eager backend: no compiled configuration to choose"
-    extra = json.loads(flag_value(passthrough, "--additional-config") or "{}")
+    extra = parse_vllm_flags(passthrough).additional_config
     if set(extra) & set(RuntimeConfig.__dataclass_fields__):
         return None, "--additional-config sets shapes itself: the registry is not consulted"
     arch = load_arch(model_dir)

@@ -1,7 +1,9 @@
-"""`vllm-aot serve` flags -> the vLLM flags and `--additional-config` every replica gets (pure).
+"""`vllm-aot serve` flags -> the vLLM flags and `--additional-config` every replica gets.
 
-Each shape comes from, in order: an exported directory's manifest (fixes every shape; a flag
-that contradicts it is refused), the serve flags (or the same vLLM flag passed through), a
+vLLM's flags passed through are read by vLLM's own parser (`plugin/engine_flags.py`) and pinned
+with the platform's own `pinned_fields` and `check_artifact`, so serve decides what the platform
+will. Each shape comes from, in order: an exported directory's manifest (fixes every shape; a
+flag that contradicts it is refused), the serve flags (or the same vLLM flag passed through), a
 configuration the compile-cache registry picked (`registry_choice`: selected to agree with every
 flag given, it also brings its block size, chunk and bucket sets), else the platform's defaults
 (nothing passed, so `AotOptions` decides as for plain vLLM).
@@ -14,26 +16,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# serve flag -> (the vLLM flag that carries it, the RuntimeConfig/manifest field it fixes)
-_SHAPE_FLAGS = {
-    "batch_size": ("--max-num-seqs", "max_num_seqs"),
-    "max_model_len": ("--max-model-len", "max_model_len"),
-    "dtype": ("--dtype", "dtype"),
-    "quantization": ("--quantization", "quantization"),
-    "kv_cache_dtype": ("--kv-cache-dtype", "kv_cache_dtype"),
-}
-# vLLM flags that an exported directory's manifest fixes, besides the three above.
-_MANIFEST_ONLY_FLAGS = {
-    "--block-size": "block_size",
-    "--max-num-batched-tokens": "max_num_batched_tokens",
-}
-_DEFAULTS = {
-    "batch_size": "32 (vllm-aot default)",
-    "max_model_len": "2048, or the model's limit if smaller (vllm-aot default)",
-    "dtype": "the model's (vLLM's auto)",
-    "quantization": "none (the checkpoint's dense weights in dtype)",
-    "kv_cache_dtype": "auto (the dtype)",
-}
+from vllm_aot.plugin.engine_flags import VllmFlags, parse_vllm_flags
+from vllm_aot.plugin.options import check_artifact, pinned_fields
+from vllm_aot.runtime.config import RuntimeConfig
+from vllm_aot.runtime.options import BY_NAME, VLLM_OPTIONS
+
+# The options serve flags set, carried to vLLM as its flags (TP apart: the replicas' layout).
+SHAPE_OPTIONS = tuple(o for o in VLLM_OPTIONS if o.serve and o.name != "tensor_parallel_size")
+# Options a registry pick matched to what vLLM's own flags say: never passed from the pick.
+_MATCHED = (
+    "tensor_parallel_size",
+    "enable_expert_parallel",
+    "num_speculative_tokens",
+    "runner",
+    "convert",
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +44,11 @@ class ShapeFlags:
     kv_cache_dtype: str | None = None
     tensor_parallel_size: int = 1
 
+    def given(self) -> dict[str, Any]:
+        """The options these flags set (option name -> value)."""
+        values = {o.name: getattr(self, o.dest) for o in SHAPE_OPTIONS}
+        return {name: value for name, value in values.items() if value is not None}
+
 
 @dataclass(frozen=True)
 class RegistryPick:
@@ -57,9 +59,8 @@ class RegistryPick:
 
     @property
     def extra_fields(self) -> dict[str, Any]:
-        """What `--additional-config` must carry besides the three shape flags."""
-        flagged = {key for _, key in _SHAPE_FLAGS.values()}
-        flagged |= {"tensor_parallel_size", "enable_expert_parallel"}  # vLLM's own flags
+        """What `--additional-config` must carry besides the shapes serve's flags carry."""
+        flagged = {o.name for o in SHAPE_OPTIONS} | set(_MATCHED)
         return {k: v for k, v in self.runtime.items() if k not in flagged}
 
 
@@ -123,15 +124,10 @@ def without_flag(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...
 
 
 def _merge_additional_config(
-    ours: dict[str, Any], passthrough: tuple[str, ...]
+    ours: dict[str, Any], passthrough: tuple[str, ...], theirs: dict[str, Any]
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
-    text = flag_value(passthrough, "--additional-config")
-    if text is None:
-        return ours, passthrough
-    try:
-        theirs = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--additional-config is not JSON: {exc}") from None
+    """Our --additional-config entries and the passed-through one (`theirs`, as vLLM parsed it)
+    as one, which replaces the passed-through flag; ValueError where the two disagree."""
     clashes = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
     if clashes:
         raise ValueError(
@@ -139,12 +135,6 @@ def _merge_additional_config(
             f"differently ({', '.join(f'{k}={ours[k]!r}' for k in clashes)}); give each once"
         )
     return {**ours, **theirs}, without_flag(passthrough, "--additional-config")
-
-
-def speculative_tokens(passthrough: tuple[str, ...]) -> int:
-    """Drafts per step `--speculative-config` asks for (0 without it): the verify programs'."""
-    text = flag_value(passthrough, "--speculative-config")
-    return int(json.loads(text).get("num_speculative_tokens") or 0) if text else 0
 
 
 def with_self_draft(passthrough: tuple[str, ...], model_dir: str) -> tuple[str, ...]:
@@ -162,19 +152,39 @@ def with_self_draft(passthrough: tuple[str, ...], model_dir: str) -> tuple[str, 
     )
 
 
-def _speculative_reason(passthrough: tuple[str, ...]) -> str:
-    text = flag_value(passthrough, "--speculative-config")
-    if not text:
+def _speculative_reason(parsed: VllmFlags) -> str:
+    spec = parsed.speculative_config
+    if not spec:
         return "speculative decoding off (--speculative-config)"
-    spec = json.loads(text)
     return (
-        f"speculative decoding: {spec.get('method')} with {speculative_tokens(passthrough)} "
-        "drafts a step (from --speculative-config)"
+        f"speculative decoding: {spec.get('method')} with "
+        f"{parsed.given.get('num_speculative_tokens', 0)} drafts a step (from --speculative-config)"
     )
 
 
-def _same(flag_text: str, manifest_value: Any) -> bool:
-    return str(flag_text).removeprefix("torch.") == str(manifest_value)
+def _default_reason(name: str) -> str:
+    if name == "dtype":
+        return "the model's (vLLM's auto)"
+    if name == "quantization":
+        return "none (the checkpoint's dense weights in dtype)"
+    limit = ", or the model's limit if smaller" if name == "max_model_len" else ""
+    return f"{BY_NAME[name].default}{limit} (vllm-aot default)"
+
+
+def _given(flags: ShapeFlags, parsed: VllmFlags) -> dict[str, Any]:
+    """The options the serve flags and vLLM's flags set; ValueError where both set one
+    differently."""
+    ours = flags.given()
+    for name, value in ours.items():
+        theirs = parsed.given.get(name)
+        if theirs is not None and pinned_fields({name: value}, {}) != pinned_fields(
+            {name: theirs}, {}
+        ):
+            raise ValueError(
+                f"{BY_NAME[name].cli_flag} {value} contradicts {BY_NAME[name].vllm_flag} "
+                f"{theirs}; give one"
+            )
+    return {**parsed.given, **ours}
 
 
 def choose_config(
@@ -190,40 +200,35 @@ def choose_config(
 
     `manifest` is the exported directory's manifest when the model is one (`read_manifest`).
     """
-    config, passthrough = _merge_additional_config(dict(additional_config or {}), passthrough)
-    given = {
-        name: (getattr(flags, name), flag_value(passthrough, vllm_flag))
-        for name, (vllm_flag, _) in _SHAPE_FLAGS.items()
-    }
-    for name, (ours, theirs) in given.items():
-        if ours is not None and theirs is not None and str(ours) != theirs:
-            vllm_flag = _SHAPE_FLAGS[name][0]
-            raise ValueError(
-                f"--{name.replace('_', '-')} {ours} contradicts {vllm_flag} {theirs}; give one"
-            )
+    parsed = parse_vllm_flags(passthrough)
+    config, passthrough = _merge_additional_config(
+        dict(additional_config or {}), passthrough, parsed.additional_config
+    )
+    given = _given(flags, parsed)
     if manifest is not None:
         return _from_manifest(manifest, artifact_dir, given, flags, passthrough, config)
+    ours = flags.given()
     shape_args: list[str] = []
     reasons: list[str] = []
     if registry_choice is not None:
         config = {**registry_choice.extra_fields, **config}
         reasons.append(registry_choice.why)
-    for name, (vllm_flag, key) in _SHAPE_FLAGS.items():
-        ours, theirs = given[name]
-        picked = registry_choice.runtime.get(key) if registry_choice else None
+    for option in SHAPE_OPTIONS:
+        name = option.name
+        picked = registry_choice.runtime.get(name) if registry_choice else None
         picked = None if picked == "auto" else picked  # vLLM's default: nothing to pass
-        if ours is not None:
-            shape_args += [vllm_flag, str(ours)]
-            reasons.append(f"{name} = {ours} (from --{name.replace('_', '-')})")
-        elif theirs is not None:
-            reasons.append(f"{name} = {theirs} (from {vllm_flag})")
+        if name in ours:
+            shape_args += [option.vllm_flag, str(ours[name])]
+            reasons.append(f"{name} = {ours[name]} (from {option.cli_flag})")
+        elif name in given:
+            reasons.append(f"{name} = {given[name]} (from {option.vllm_flag})")
         elif picked is not None:
-            shape_args += [vllm_flag, str(picked)]
+            shape_args += [option.vllm_flag, str(picked)]
             reasons.append(f"{name} = {picked} (compiled configuration in the cache registry)")
         else:
-            reasons.append(f"{name} = {_DEFAULTS[name]}")
+            reasons.append(f"{name} = {_default_reason(name)}")
     shape_args += _tp_args(flags.tensor_parallel_size)
-    reasons += [_tp_reason(flags.tensor_parallel_size), _speculative_reason(passthrough)]
+    reasons += [_tp_reason(flags.tensor_parallel_size), _speculative_reason(parsed)]
     return ChosenConfig(tuple(shape_args) + passthrough, config, tuple(reasons))
 
 
@@ -243,37 +248,18 @@ def _tp_reason(tensor_parallel_size: int) -> str:
 def _from_manifest(
     manifest: dict[str, Any],
     artifact_dir: str | None,
-    given: dict[str, tuple[Any, str | None]],
+    given: dict[str, Any],
     flags: ShapeFlags,
     passthrough: tuple[str, ...],
     config: dict[str, Any],
 ) -> ChosenConfig:
-    shapes = manifest["config"]
+    """The exported directory's shapes, checked as the platform checks them."""
+    runtime = RuntimeConfig.from_dict(manifest["config"])
+    asked = pinned_fields(given, {})
+    if flags.tensor_parallel_size != 1:
+        asked["tensor_parallel_size"] = flags.tensor_parallel_size
+    check_artifact(artifact_dir, runtime, asked, config)
     where = f"exported directory {artifact_dir}" if artifact_dir else "exported directory"
-    conflicts = []
-    for name, (vllm_flag, key) in _SHAPE_FLAGS.items():
-        if key not in shapes:  # exported before the field existed: its default
-            continue
-        for text, label in zip(
-            given[name], (f"--{name.replace('_', '-')}", vllm_flag), strict=True
-        ):
-            if text is not None and not _same(text, shapes[key]):
-                conflicts.append(f"{label} {text} (it was compiled for {shapes[key]})")
-    for vllm_flag, key in _MANIFEST_ONLY_FLAGS.items():
-        text = flag_value(passthrough, vllm_flag)
-        if text is not None and not _same(text, shapes[key]):
-            conflicts.append(f"{vllm_flag} {text} (it was compiled for {shapes[key]})")
-    tp = shapes.get("tensor_parallel_size", 1)
-    if flags.tensor_parallel_size not in (1, tp):
-        conflicts.append(
-            f"--tensor-parallel-size {flags.tensor_parallel_size} (it was compiled for {tp})"
-        )
-    if conflicts:
-        raise ValueError(
-            f"the {where} fixes its shapes; these flags contradict it: {'; '.join(conflicts)}. "
-            "Drop them, or export again with the configuration you need."
-        )
-    reasons = [
-        f"{name} = {shapes.get(key)} (from the {where})" for name, (_, key) in _SHAPE_FLAGS.items()
-    ]
+    reasons = [f"{o.name} = {getattr(runtime, o.name)} (from the {where})" for o in SHAPE_OPTIONS]
+    tp = runtime.tensor_parallel_size
     return ChosenConfig((*_tp_args(tp), *passthrough), config, (*reasons, _tp_reason(tp)))
