@@ -29,7 +29,6 @@ OPTION_KEYS = (
     "require_cached",
     "stats_file",
     "num_threads",
-    "draft_layers",
 )
 # vLLM's CPU defaults for --max-num-seqs and --max-num-batched-tokens (LLM class, API server):
 # a value equal to one of these means the user did not choose one, so ours applies.
@@ -55,28 +54,12 @@ class AotOptions:
     # The engine's torch threads (default: one per core of its affinity). Fewer can serve faster
     # where the cores are shared: a descheduled thread stalls its team at every parallel loop.
     num_threads: int | None = None
-    # Speculative decoding's `method: draft_model` (`plugin/spec_decode.py`): the draft's layers
-    # (None: all; self-speculation's default is half the target's), and the draft model's path
-    # (None: none, or the target itself).
-    draft_layers: int | None = None  # --additional-config may say "all" (resolved at start)
+    # Speculative decoding's `method: draft_model` (`plugin/spec_decode.py`): the draft model's
+    # path (None: no draft model).
     draft_model: str | None = None
-    # The target drafting with every layer: multi-step decoding, no verify programs (the
-    # runtime's num_speculative_tokens is 0; vLLM's --speculative-config keeps k).
-    multi_step: bool = False
     # The cores the front end runs on, resolved at start (`plugin/front_end.py`): the API
     # server and the engine's own threads there, the steps on the rest. Empty: shared.
     front_end_cores: tuple[int, ...] = ()
-
-    @property
-    def max_draft_rows(self) -> int:
-        """The widest decode batch that takes drafts: the largest verify program's (any decode
-        batch under multi-step decoding); 0 without speculative decoding."""
-        buckets = (
-            self.runtime.decode_batch_buckets
-            if self.multi_step
-            else self.runtime.verify_batch_buckets
-        )
-        return max(buckets, default=0)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

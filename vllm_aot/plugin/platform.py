@@ -31,7 +31,7 @@ from vllm_aot.plugin.options import (
 )
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, with_setup_hook
 from vllm_aot.plugin.spec_decode import (
-    draft_plan,
+    draft_model_path,
     num_speculative_tokens,
     speculative_problems,
 )
@@ -154,14 +154,7 @@ def _speculative_summary(spec_config, options) -> str:
     if spec_config is None:
         return "off"
     runtime = options.runtime
-    if options.multi_step:
-        k = spec_config.num_speculative_tokens
-        return f"multi-step: the whole model drafts for itself, up to {k + 1} tokens a step"
-    draft = ""
-    if spec_config.method == "draft_model":
-        layers = "all" if options.draft_layers is None else options.draft_layers
-        source = options.draft_model or "the target itself (self-speculative)"
-        draft = f", draft {source}, {layers} layers"
+    draft = f", draft {options.draft_model}" if options.draft_model else ""
     return (
         f"{spec_config.method} k={runtime.num_speculative_tokens}{draft} "
         f"(verify batches {runtime.verify_batch_buckets})"
@@ -292,7 +285,6 @@ class AotPlatform(CpuPlatform):
         scheduler_config = vllm_config.scheduler_config
         extra = dict(vllm_config.additional_config or {})
         spec_config = vllm_config.speculative_config
-        plan = draft_plan(spec_config, extra.get("draft_layers"))
         options = resolve_options(
             model=model_config.model,
             dtype=model_config.dtype,
@@ -307,7 +299,7 @@ class AotPlatform(CpuPlatform):
             kv_cache_dtype=cache_config.cache_dtype,
             runner=model_config.runner_type,
             convert=_convert(model_config),
-            num_speculative_tokens=0 if plan.multi_step else num_speculative_tokens(vllm_config),
+            num_speculative_tokens=num_speculative_tokens(vllm_config),
             tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
             enable_expert_parallel=vllm_config.parallel_config.enable_expert_parallel,
         )
@@ -316,7 +308,7 @@ class AotPlatform(CpuPlatform):
             _refuse_uncached(model_config.model, options)
         if options.stats_file is None:
             options = dataclasses.replace(options, stats_file=_stats_file())
-        options = dataclasses.replace(options, **plan._asdict())
+        options = dataclasses.replace(options, draft_model=draft_model_path(spec_config))
         register_collector(options.stats_file)
         is_async = _is_async(scheduler_config, runtime, spec_config)
         super().check_and_update_config(vllm_config)

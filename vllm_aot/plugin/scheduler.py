@@ -36,6 +36,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_aot.plugin.faults import failed_requests
 from vllm_aot.plugin.options import RESOLVED_KEY, AotOptions
+from vllm_aot.plugin.spec_decode import max_verify_rows
 from vllm_aot.runtime import policy
 from vllm_aot.runtime.policy import Limits, StepKind
 
@@ -170,7 +171,7 @@ class AotScheduler(ReportingScheduler):
     def max_verify_rows(self) -> int:
         """The widest decode batch that takes drafts (0 without speculative decoding)."""
         options = AotOptions.from_dict(self.vllm_config.additional_config[RESOLVED_KEY])
-        return options.max_draft_rows
+        return max_verify_rows(options.runtime)
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         waiting = list(self.waiting)

@@ -39,13 +39,7 @@ from vllm_aot.serve.replicas import (
     RestartPolicy,
     thread_env,
 )
-from vllm_aot.serve.settings import (
-    ChosenConfig,
-    ShapeFlags,
-    choose_config,
-    flag_value,
-    with_self_draft,
-)
+from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config, flag_value
 
 GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (server_env)
 
@@ -158,7 +152,6 @@ def server_env() -> dict[str, str]:
 
 def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
     try:
-        passthrough = list(with_self_draft(tuple(passthrough), str(model_dir)))
         cores = parse_core_list(args.cores) if args.cores else available_cores()
         groups = group_cores(
             cores,

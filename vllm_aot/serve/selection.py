@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_aot.plugin.spec_decode import is_multi_step, names_target
 from vllm_aot.runtime.config import KV_CACHE_ALIASES
 from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value, speculative_tokens
 
@@ -22,16 +21,6 @@ _INT_FLAGS = {
     "block_size": "--block-size",
     "max_num_batched_tokens": "--max-num-batched-tokens",
 }
-
-
-def asks_multi_step(passthrough: tuple[str, ...], model_dir: str, num_layers: int) -> bool:
-    """Whether the command line asks multi-step decoding (`plugin/spec_decode.py`'s rule:
-    `method: draft_model` naming the served model, or none, drafting with its every layer),
-    whose programs are those of no speculative decoding."""
-    spec = json.loads(flag_value(passthrough, "--speculative-config") or "{}")
-    extra = json.loads(flag_value(passthrough, "--additional-config") or "{}")
-    is_self = spec.get("method") == "draft_model" and names_target(spec.get("model"), model_dir)
-    return is_multi_step(is_self, extra.get("draft_layers"), num_layers)
 
 
 def requested_shapes(flags: ShapeFlags, passthrough: tuple[str, ...]) -> dict[str, object]:
@@ -84,8 +73,6 @@ def pick_from_registry(
     limit = declared_max_len(model_dir) or arch.max_position_embeddings
     entries = [e for e in entries if e.runtime["max_model_len"] <= limit]
     requested = requested_shapes(flags, passthrough)
-    if asks_multi_step(passthrough, str(model_dir), arch.num_layers):
-        requested["num_speculative_tokens"] = 0  # no verify programs
     entry, why = select_configuration(entries, requested, num_cores=cores_per_replica)
     if entry is None:
         return None, f"{why}; defaults apply (compiled on first start unless --require-cached)"

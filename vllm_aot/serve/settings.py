@@ -147,21 +147,6 @@ def speculative_tokens(passthrough: tuple[str, ...]) -> int:
     return int(json.loads(text).get("num_speculative_tokens") or 0) if text else 0
 
 
-def with_self_draft(passthrough: tuple[str, ...], model_dir: str) -> tuple[str, ...]:
-    """`--speculative-config` with `method: draft_model` and no `model` names the served model
-    itself: self-speculation (vLLM itself needs a draft model's path)."""
-    text = flag_value(passthrough, "--speculative-config")
-    spec = json.loads(text) if text else {}
-    if spec.get("method") != "draft_model" or spec.get("model"):
-        return passthrough
-    spec["model"] = model_dir
-    return (
-        *without_flag(passthrough, "--speculative-config"),
-        "--speculative-config",
-        json.dumps(spec),
-    )
-
-
 def _speculative_reason(passthrough: tuple[str, ...]) -> str:
     text = flag_value(passthrough, "--speculative-config")
     if not text:
