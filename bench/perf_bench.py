@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/perf_bench.py [--concurrency 1,8,32] [--cases 128x128,1024x128,copy]
                                          [--systems ours,ours-sync,ours-bf16,ours-ngram,
-                                                    ours-self,vllm,llamacpp]
+                                                    vllm,llamacpp]
                                          [--serve-args "--max-num-seqs 8"] [--rounds 1]
                                          [--dtype bfloat16] [--num-speculative-tokens K]
                                          [--llamacpp-server native|python]
@@ -35,8 +35,6 @@ spec-decode counters (drafts, accepted tokens, acceptance per position). The `co
 copy-heavy: chat requests asking to repeat, correct or continue a given ~190-token paragraph
 (`COPY_PROMPTS`, greedy, 128 tokens, ignore-eos), where n-gram drafts match; the random cases
 are where they hardly ever do (what speculation costs there).
-`ours-self` is ours with a self-speculative draft (`SELF_SPEC_CONFIG`: `method: draft_model`
-naming no model, so the served model drafts for itself from its first `--draft-layers` layers).
 `--serve-args` go to every `vllm-aot serve` (the same shapes for ours and ours-ngram).
 """
 
@@ -71,15 +69,14 @@ from serve_bench import (
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME, find_default_gguf, prepare_default_model
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
-SYSTEMS = ("ours", "ours-sync", "ours-bf16", "ours-ngram", "ours-self", "vllm", "llamacpp")
-SPEC_SYSTEMS = ("ours-ngram", "ours-self")
+SYSTEMS = ("ours", "ours-sync", "ours-bf16", "ours-ngram", "vllm", "llamacpp")
+SPEC_SYSTEMS = ("ours-ngram",)
 NGRAM_CONFIG = {
     "method": "ngram",
     "num_speculative_tokens": 4,
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 4,
 }
-SELF_SPEC_CONFIG = {"method": "draft_model", "num_speculative_tokens": 4}
 DEFAULT_SYSTEMS = ("ours", "vllm", "llamacpp")
 
 
@@ -114,14 +111,9 @@ def server(system: str, model: Path, port: int, args) -> Server:
             return Server((*command, *gguf))
         if system == "ours-sync":  # the same, scheduled synchronously
             return Server((*command, *gguf, "--no-async-scheduling"))
-        k = {"num_speculative_tokens": args.num_speculative_tokens}
         if system == "ours-ngram":
+            k = {"num_speculative_tokens": args.num_speculative_tokens}
             spec = ("--speculative-config", json.dumps(NGRAM_CONFIG | k))
-            return Server((*command, *gguf, *spec))
-        if system == "ours-self":
-            spec = ("--speculative-config", json.dumps(SELF_SPEC_CONFIG | k))
-            if args.draft_layers:  # else the platform's default, half the layers
-                spec += ("--additional-config", json.dumps({"draft_layers": args.draft_layers}))
             return Server((*command, *gguf, *spec))
         return Server((*command, "--dtype", args.dtype))  # dequantised to the dtype
     if system == "vllm":
@@ -344,7 +336,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of every case; medians")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--serve-args", default="", help="extra flags for every vllm-aot serve")
-    parser.add_argument("--draft-layers", type=int, default=None, help="ours-self's draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts a step")
     parser.add_argument(
         "--llamacpp-server", choices=KINDS, default=None, help="default: native if built"

@@ -2,16 +2,15 @@
 
     .venv/bin/python bench/spec_bench.py [--cases copy,128x128] [--concurrency 1]
                                          [--rounds 3] [--serve-args "--max-num-seqs 8"]
-                                         [--against ours-ngram|ours-self|ours-sync]
-                                         [--draft-layers N] [--num-speculative-tokens K]
+                                         [--against ours-ngram|ours-sync]
+                                         [--num-speculative-tokens K]
 
 perf_bench runs one system after the other, so on a machine other people load the two systems
 meet different loads. Here both servers (`perf_bench.server`'s `ours` and `--against`: n-gram
-drafts, a self-speculative draft from the first `--draft-layers` layers, or no drafts but
-synchronous scheduling; the bundled GGUF, same shapes) are started first and stay up; each
-round then runs every case once on each, alternating which goes first, so both see the same
-load in turn. Prints each run's output tok/s, the per-case medians and the ratio, and the
-drafts' acceptance per position over all rounds (vLLM's spec-decode counters).
+drafts, or no drafts but synchronous scheduling; the bundled GGUF, same shapes) are started
+first and stay up; each round then runs every case once on each, alternating which goes first,
+so both see the same load in turn. Prints each run's output tok/s, the per-case medians and the
+ratio, and the drafts' acceptance per position over all rounds (vLLM's spec-decode counters).
 """
 
 from __future__ import annotations
@@ -39,10 +38,7 @@ def main() -> None:
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument(
-        "--against", default="ours-ngram", choices=["ours-ngram", "ours-self", "ours-sync"]
-    )
-    parser.add_argument("--draft-layers", type=int, default=None)
+    parser.add_argument("--against", default="ours-ngram", choices=["ours-ngram", "ours-sync"])
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts a step")
     args = parser.parse_args()
     systems = ("ours", args.against)

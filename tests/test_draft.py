@@ -1,6 +1,6 @@
 """Model drafts for speculative decoding (`runtime/draft.py`), against HF transformers' greedy
-text: the target's first layers sharing its KV pool (self-speculation), and a draft model with
-a pool of its own that catches up on what it has not seen (eager, float32)."""
+text: a draft model with a pool of its own that catches up on what it has not seen (eager,
+float32); the gate that pauses drafts that do not pay."""
 
 from __future__ import annotations
 
@@ -21,18 +21,14 @@ PROMPTS = [[1, 17, 923, 44, 5, 88, 300], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 
 
 @pytest.fixture(scope="module")
 def deep_dir(tmp_path_factory, default_model_dir):
-    """A tiny Llama of 4 layers, so its first 2 make a draft unlike the whole."""
+    """A tiny Llama of 4 layers: the target, unlike its 2-layer draft."""
     out = tmp_path_factory.mktemp("tiny-deep")
     return make_tiny_model(out, tokenizer_dir=default_model_dir, num_layers=4, seed=3)
 
 
-def _hf_greedy(model_dir, tokens, n, num_layers=None) -> list[int]:
-    """HF's greedy continuation of `tokens` by the model cut to its first `num_layers` layers
-    (its final norm and head kept)."""
-    extra = {} if num_layers is None else {"num_hidden_layers": num_layers}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, **extra
-    ).eval()
+def _hf_greedy(model_dir, tokens, n) -> list[int]:
+    """HF's greedy continuation of `tokens`."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([tokens])
     with torch.no_grad():
         out = hf.generate(
@@ -57,52 +53,6 @@ def _prefill(model, prompt, blocks) -> int:
     return token
 
 
-def test_self_speculative_drafts_are_the_first_layers_greedy_text(deep_dir):
-    """The target's first 2 of 4 layers, reading the K/V the target wrote: HF's 2-layer model's
-    greedy tokens, for two requests drafted in one batch (one asking fewer drafts)."""
-    model, _ = load_model(deep_dir, tiny_config(num_speculative_tokens=K), show_progress=False)
-    draft = ModelDraft(model, num_layers=2, shares_kv=True)
-    rows = []
-    for i, prompt in enumerate(PROMPTS):
-        blocks = _blocks(1 + 8 * i, len(prompt) + K + 1)
-        tokens = [*prompt, _prefill(model, prompt, blocks)]
-        rows.append(DraftRow(f"r{i}", tokens, blocks, K - i))
-    drafts = draft.propose(rows)
-    for i, row in enumerate(rows):
-        assert drafts[row.req_id] == _hf_greedy(deep_dir, row.tokens, K - i, num_layers=2)
-    assert model.step_stats.to_dict()["draft"]["rows"]["real"] == 2 + 2 + 1
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_whole_target_drafting_as_it_samples_drafts_its_own_next_tokens(deep_dir, temperature):
-    """Multi-step decoding's premise: the target's every layer, each row sampled as its request
-    samples (seed and position), drafts exactly the tokens plain decoding gives, so they need
-    no verifying."""
-    from vllm_aot.runtime.inputs import DecodeRow
-    from vllm_aot.runtime.sampler import SamplingParams
-
-    model, _ = load_model(deep_dir, tiny_config(), show_progress=False)
-    draft = ModelDraft(model, num_layers=4, shares_kv=True)
-    assert draft.is_exact and not ModelDraft(model, num_layers=2, shares_kv=True).is_exact
-    params = SamplingParams(temperature=temperature, top_p=0.9).normalized()
-    rows, plain = [], {}
-    for i, prompt in enumerate(PROMPTS):
-        blocks = _blocks(1 + 8 * i, len(prompt) + K + 1)
-        tokens = [*prompt, _prefill(model, prompt, blocks)]
-        rows.append(DraftRow(f"r{i}", tokens, blocks, K - i, params, seed=11 + i))
-        other = _blocks(40 + 8 * i, len(prompt) + K + 1)  # plain decoding in blocks of its own
-        _prefill(model, prompt, other)
-        got, last = [], tokens[-1]
-        for position in range(len(tokens) - 1, len(tokens) - 1 + K - i):
-            out = model.decode(
-                [DecodeRow(last, position, other)], [RowSampling(params, 11 + i, position + 1)]
-            )
-            last = int(out.tokens[0])
-            got.append(last)
-        plain[f"r{i}"] = got
-    assert draft.propose(rows) == plain
-
-
 def test_a_draft_model_catches_up_on_what_it_has_not_seen(deep_dir, tiny_model_dirs):
     """A draft model with its own pool (the 2-layer tiny Llama drafting for the 4-layer one):
     its drafts are its own greedy text after the prompt, after accepted drafts, and after a
@@ -110,7 +60,7 @@ def test_a_draft_model_catches_up_on_what_it_has_not_seen(deep_dir, tiny_model_d
     target, _ = load_model(deep_dir, tiny_config(num_speculative_tokens=K), show_progress=False)
     draft_dir = tiny_model_dirs("llama")
     model, _ = load_model(draft_dir, tiny_config(num_speculative_tokens=K), show_progress=False)
-    draft = ModelDraft(model, shares_kv=False)
+    draft = ModelDraft(model)
     prompt = PROMPTS[1]
     blocks = _blocks(1, len(prompt) + 4 * K + 4)
     tokens = [*prompt, _prefill(target, prompt, blocks)]

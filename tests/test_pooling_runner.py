@@ -119,7 +119,7 @@ def test_a_decoders_chunks_are_pooled_across_steps(tiny_model_dir, kind):
     output = runner.execute_model(first)
     assert output.pooler_output[0] is None and output.pooler_output[1] is not None
     output = runner.execute_model(continued("long", 50, 40))
-    assert output.req_ids == ["long"] and runner.prompts == {}
+    assert output.req_ids == ["long"] and runner.requests == {}
     whole = model.prefill_states([PrefillChunk(long, 0, [8, 9, 10, 11, 12, 13])])[0]
     expected = pool(whole, Pooling(kind, normalize=True))
     torch.testing.assert_close(output.pooler_output[0], expected, atol=1e-5, rtol=1e-5)

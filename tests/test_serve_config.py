@@ -247,21 +247,6 @@ def test_serve_gives_a_passed_through_flag_its_value_back(argv, model, passed):
     assert args.model == model and unknown == passed
 
 
-def test_a_draft_model_without_a_path_is_the_served_model():
-    """`vllm-aot serve --speculative-config '{"method": "draft_model", ...}'` without `model`
-    drafts from the served model itself (self-speculation); a named draft or ngram is kept."""
-    import json
-
-    from vllm_aot.serve.settings import flag_value, with_self_draft
-
-    bare = ("--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}')
-    spec = json.loads(flag_value(with_self_draft(bare, "/m"), "--speculative-config"))
-    assert spec == {"method": "draft_model", "num_speculative_tokens": 2, "model": "/m"}
-    named = ("--speculative-config", '{"method": "draft_model", "model": "/d"}')
-    ngram = ("--max-num-seqs", "4", "--speculative-config", '{"method": "ngram"}')
-    assert with_self_draft(named, "/m") == named and with_self_draft(ngram, "/m") == ngram
-
-
 def test_replicas_start_with_short_spins_huge_pages_and_a_lowered_front_end_unless_set(
     monkeypatch,
 ):

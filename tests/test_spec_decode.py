@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -160,43 +159,6 @@ def test_options_take_the_drafts_from_the_speculative_config(tiny_model_dirs):
         resolve_options(**common, extra={"num_speculative_tokens": 2})
 
 
-def test_the_whole_model_as_its_own_draft_is_multi_step_decoding(tiny_model_dirs, tmp_path):
-    """`draft_layers` "all" (or the target's depth) of a self-draft asks multi-step decoding:
-    no verify programs, drafts for any decode batch; `vllm-aot serve` then picks the plain
-    configuration from the registry (the same programs)."""
-    from vllm_aot.plugin.options import AotOptions
-    from vllm_aot.plugin.spec_decode import DraftPlan, draft_plan
-    from vllm_aot.serve.selection import asks_multi_step
-
-    model_dir = str(tiny_model_dirs("llama"))
-    spec = SimpleNamespace(
-        method="draft_model",
-        model=model_dir,
-        target_model_config=SimpleNamespace(model=model_dir),
-        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=2)),
-    )
-    assert draft_plan(spec, "all") == draft_plan(spec, 2) == DraftPlan(None, 2, multi_step=True)
-    assert draft_plan(spec, None) == DraftPlan(None, 1)  # half: self-speculation
-    with pytest.raises(ValueError, match=r'supported: 1\.\.2, or "all"'):
-        draft_plan(spec, "most")
-    other = SimpleNamespace(**{**vars(spec), "model": str(tmp_path)})  # a draft model of its own
-    assert draft_plan(other, "all") == DraftPlan(str(tmp_path), 2)
-    options = AotOptions(runtime=tiny_config(), multi_step=True)
-    assert options.max_draft_rows == max(options.runtime.decode_batch_buckets)
-    assert AotOptions(runtime=tiny_config()).max_draft_rows == 0
-
-    def passthrough(layers, model=None) -> tuple[str, ...]:
-        asked = {"method": "draft_model", "num_speculative_tokens": 4}
-        asked |= {"model": model} if model else {}
-        return ("--speculative-config", json.dumps(asked), "--additional-config",
-                json.dumps({"draft_layers": layers}))  # fmt: skip
-
-    assert asks_multi_step(passthrough("all"), model_dir, 2)
-    assert asks_multi_step(passthrough(2, model_dir), model_dir, 2)
-    assert not asks_multi_step(passthrough(1), model_dir, 2)
-    assert not asks_multi_step(passthrough("all", str(tmp_path)), model_dir, 2)
-
-
 def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():
     """The tokens after the earlier occurrence of the last n-gram, capped by max_tokens; none
     for rows whose tokens come from the host (penalties)."""
@@ -228,9 +190,9 @@ def test_ngram_drafter_proposes_what_followed_the_last_tokens_before():
 
 
 def test_draft_models_the_runtime_cannot_serve_are_refused_naming_what_is_supported():
-    """A draft of an unsupported (or encoder) architecture, of another vocabulary, quantized, or
-    under tensor parallelism: each refused at start with what is supported; the target itself
-    (self-speculation) is always a fit."""
+    """A draft of an unsupported (or encoder) architecture, of another vocabulary, quantized,
+    under tensor parallelism, or the served model itself: each refused at start with what is
+    supported."""
     from vllm_aot.plugin.spec_decode import speculative_problems
 
     def config(vocab, arch="LlamaForCausalLM"):
@@ -249,7 +211,8 @@ def test_draft_models_the_runtime_cannot_serve_are_refused_naming_what_is_suppor
         )
 
     assert speculative_problems(spec(), target) == []
-    assert speculative_problems(spec("/target", config(7, "BertModel")), target) == []
+    (itself,) = speculative_problems(spec("/target"), target)
+    assert "the served model itself" in itself and "smaller model" in itself
     bert = speculative_problems(spec(draft=config(100, "BertModel")), target)
     assert len(bert) == 1 and "draft model architecture ['BertModel']" in bert[0]
     assert "LlamaForCausalLM" in bert[0]
@@ -257,3 +220,46 @@ def test_draft_models_the_runtime_cannot_serve_are_refused_naming_what_is_suppor
     assert vocab == ["draft model vocabulary 50 (supported: the target's, 100)"]
     assert "quantized draft" in speculative_problems(spec(quantization="fp8"), target)[0]
     assert "supported: 1" in speculative_problems(spec(), target, tensor_parallel_size=2)[0]
+
+
+def test_the_drafter_is_the_methods_behind_one_interface(spec_model):
+    """`make_drafter`: none without speculative decoding, vLLM's n-gram matcher for `ngram`, a
+    draft model's greedy passes for `draft_model`, each proposing and forgetting alike."""
+    from vllm.sampling_params import SamplingParams as VllmParams
+
+    from vllm_aot.plugin.requests import CachedRequest
+    from vllm_aot.plugin.spec_decode import ModelDrafter, NgramDrafter, make_drafter
+
+    runtime = tiny_config(num_speculative_tokens=K)
+    model_config = SimpleNamespace(max_model_len=256)
+
+    def vllm_config(method):
+        spec = SimpleNamespace(
+            method=method, num_speculative_tokens=K, prompt_lookup_min=2, prompt_lookup_max=3
+        )
+        return SimpleNamespace(speculative_config=spec, model_config=model_config)
+
+    off = SimpleNamespace(speculative_config=None, model_config=model_config)
+    assert make_drafter(off, runtime) is None
+    assert isinstance(make_drafter(vllm_config("ngram"), runtime), NgramDrafter)
+    drafter = make_drafter(vllm_config("draft_model"), runtime, spec_model)
+    assert isinstance(drafter, ModelDrafter)
+    assert drafter.max_rows == max(runtime.verify_batch_buckets)
+    prompt = [(37 * i) % 30000 + 100 for i in range(20)]
+    request = CachedRequest.new(
+        req_id="r",
+        prompt_token_ids=prompt,
+        params=VllmParams(max_tokens=16, temperature=0),
+        block_ids=[1, 2],
+        num_computed_tokens=0,
+        vocab_size=spec_model.arch.vocab_size,
+    )
+    request.output_token_ids.append(7)
+    expected = (
+        Generator(spec_model)
+        .generate([GenerationRequest([*prompt, 7], max_tokens=K, ignore_eos=True)])[0]
+        .token_ids
+    )
+    drafts = drafter.propose([request])
+    assert drafts.req_ids == ["r"] and drafts.draft_token_ids == [expected]
+    drafter.forget("r")

@@ -1,7 +1,7 @@
-"""Speculative decoding served: `--speculative-config` with n-gram drafts, a self-speculative
-draft (the target's first layers) and a draft model with a pool of its own, against the same
-server without it. Greedy text must be byte-identical at 1 and 8 streams; drafts must have been
-accepted (vLLM's spec-decode series on /metrics); bad configurations are refused at start."""
+"""Speculative decoding served: `--speculative-config` with n-gram drafts and a draft model with
+a pool of its own, against the same server without it. Greedy text must be byte-identical at 1
+and 8 streams; drafts must have been accepted (vLLM's spec-decode series on /metrics); bad
+configurations are refused at start."""
 
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ COPY_PROMPTS = [
 ]
 
 
-def _server(model_dir, spec: dict | None, log_path, extra=(), additional=None):
+def _server(model_dir, spec: dict | None, log_path, extra=()):
     args = [*SHAPES, *extra]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
     port = free_port()
     command = vllm_server_command(
-        model_dir, port, args=args, additional_config={"backend": "eager", **(additional or {})}
+        model_dir, port, args=args, additional_config={"backend": "eager"}
     )
     return running_server(command, port=port, env=SERVER_ENV, log_path=log_path, timeout=300)
 
@@ -100,12 +100,10 @@ def _wait_counters(url: str, key: str, minimum: float) -> dict[str, float]:
     return counters
 
 
-def _check_identical(
-    model_dir, prompts, max_tokens, tmp_path, *, check_sampling=False, spec=NGRAM, additional=None
-):
+def _check_identical(model_dir, prompts, max_tokens, tmp_path, *, check_sampling=False, spec=NGRAM):
     with _server(model_dir, None, tmp_path / "plain.log") as url:
         expected = {s: _texts(url, prompts, max_tokens, s) for s in (1, 8)}
-    with _server(model_dir, spec, tmp_path / "spec.log", additional=additional) as url:
+    with _server(model_dir, spec, tmp_path / "spec.log") as url:
         for streams in (1, 8):
             assert _texts(url, prompts, max_tokens, streams) == expected[streams], streams
         if check_sampling:
@@ -141,92 +139,13 @@ def test_ngram_greedy_text_is_byte_identical_on_the_tiny_model(tiny_model_dirs, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "self", "multi-step"])
-def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path, method):
-    """The end-to-end chat prompts and the copy-heavy set, SmolLM2 in float32: n-gram drafts,
-    the first 24 of its 30 layers drafting for it (fewer agree with the whole too rarely for a
-    draft to be accepted before the gate stops them: docs/benchmarks.md), and all 30
-    (multi-step decoding: requests ending at their EOS mid-step)."""
+def test_greedy_text_is_byte_identical_on_smollm2(default_model_dir, tmp_path):
+    """The end-to-end chat prompts and the copy-heavy set, SmolLM2 in float32."""
     from vllm_aot.accuracy.prompts import CHAT_PROMPTS
 
-    prompts = [*CHAT_PROMPTS, *COPY_PROMPTS]
-    if method == "ngram":
-        _check_identical(default_model_dir, prompts, 64, tmp_path)
-        return
-    spec = _self_draft(default_model_dir)
-    if method == "multi-step":
-        with _server(default_model_dir, None, tmp_path / "plain.log") as url:
-            expected = {s: _texts(url, prompts, 64, s) for s in (1, 8)}
-        additional = {"draft_layers": "all"}
-        with _server(default_model_dir, spec, tmp_path / "ms.log", additional=additional) as url:
-            assert {s: _texts(url, prompts, 64, s) for s in (1, 8)} == expected
-        return
-    additional = {"draft_layers": 24}
-    _check_identical(default_model_dir, prompts, 64, tmp_path, spec=spec, additional=additional)
+    _check_identical(default_model_dir, [*CHAT_PROMPTS, *COPY_PROMPTS], 64, tmp_path)
 
 
-def _self_draft(model_dir) -> dict:
-    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
-
-
-def test_self_speculative_greedy_text_is_byte_identical(tiny_model_dirs, tmp_path):
-    """The target's first layer of two drafts for it (its KV pool shared): the text is the
-    plain server's, drafts are verified, and the draft passes show on /metrics."""
-    model_dir = tiny_model_dirs("llama")
-    counters = _check_identical(
-        model_dir,
-        COPY_PROMPTS,
-        32,
-        tmp_path,
-        spec=_self_draft(model_dir),
-        additional={"draft_layers": 1},
-    )
-    assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0, counters
-
-
-def _request(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps({"model": "m", **body}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())
-
-
-def test_multi_step_decoding_gives_the_plain_servers_text_and_samples(tiny_model_dirs, tmp_path):
-    """The whole model drafting for itself (`draft_layers: "all"`): greedy text byte-identical
-    at 1 and 8 streams, seeded samples identical to the plain server's (its drafts are its own
-    tokens), a stop string landing where it does without drafts, every draft accepted (but
-    those drafted past a request's end of sequence) and no verify program run."""
-    model_dir = tiny_model_dirs("llama")
-    sampled = {"prompt": COPY_PROMPTS[0], "max_tokens": 40, "temperature": 1.0, "seed": 7}
-    sampled["ignore_eos"] = True
-
-    def observe(url: str) -> dict:
-        texts = {s: _texts(url, COPY_PROMPTS, 32, s) for s in (1, 8)}
-        sample = _request(url, sampled)
-        stop = sample["choices"][0]["text"][12:16]
-        stopped = _request(url, {**sampled, "stop": [stop]})["choices"][0]
-        return {"texts": texts, "sample": sample["choices"][0]["text"], "stopped": stopped}
-
-    with _server(model_dir, None, tmp_path / "plain.log") as url:
-        expected = observe(url)
-    additional = {"draft_layers": "all"}
-    spec = _self_draft(model_dir)
-    with _server(model_dir, spec, tmp_path / "ms.log", additional=additional) as url:
-        assert observe(url) == expected
-        _wait_counters(url, "vllm:spec_decode_num_accepted_tokens_total", 1)
-        # Our program counters reach /metrics through the engine's stats file, after vLLM's.
-        counters = _wait_counters(url, "decode", 1)
-    assert expected["stopped"]["finish_reason"] == "stop"
-    drafted = counters["vllm:spec_decode_num_draft_tokens_total"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
-    assert drafted > 100 and accepted >= 0.98 * drafted, counters  # all but past an EOS
-    assert counters.get("verify", 0) == 0 and counters["decode"] > 0, counters
-
-
-@pytest.mark.slow  # the self-speculative server test covers the fast suite
 def test_a_draft_model_of_its_own_is_accepted_throughout(tiny_model_dirs, tmp_path):
     """A copy of the target as a separate draft model (its own programs, weights and pool,
     catching up on each prompt and on what verify steps accept): the text is the plain
@@ -242,31 +161,21 @@ def test_a_draft_model_of_its_own_is_accepted_throughout(tiny_model_dirs, tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("spec", "additional", "message"),
+    ("spec", "message"),
     [
-        ({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3}, {}, "1..8"),
+        ({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3}, "1..8"),
         pytest.param(  # each refusal starts a server: one in the fast suite
-            "self", {"draft_layers": 5}, "draft_layers 5 (supported: 1..2", marks=pytest.mark.slow
-        ),
-        pytest.param(
-            None,
-            {"draft_layers": 1},
-            "draft_layers needs --speculative-config method draft_model",
-            marks=pytest.mark.slow,
+            "self", "a draft model that is the served model itself", marks=pytest.mark.slow
         ),
     ],
 )
-def test_unsupported_speculative_configs_are_refused_at_start(
-    tiny_model_dirs, spec, additional, message
-):
+def test_unsupported_speculative_configs_are_refused_at_start(tiny_model_dirs, spec, message):
     model_dir = tiny_model_dirs("llama")
-    spec = _self_draft(model_dir) if spec == "self" else spec
-    args = [*SHAPES] if spec is None else [*SHAPES, "--speculative-config", json.dumps(spec)]
+    if spec == "self":  # the served model drafting for itself
+        spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    args = [*SHAPES, "--speculative-config", json.dumps(spec)]
     command = vllm_server_command(
-        model_dir,
-        free_port(),
-        args=args,
-        additional_config={"backend": "eager", **additional},
+        model_dir, free_port(), args=args, additional_config={"backend": "eager"}
     )
     env = {**os.environ, **SERVER_ENV}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)

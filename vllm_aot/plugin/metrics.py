@@ -17,9 +17,8 @@ Start-up (compile cache):
   `vllm_aot:program_load_seconds_total`, `vllm_aot:weights_load_seconds_total`.
 
 Steps (what the buckets cost; `kind` is `prefill`, `decode`, `verify` (speculative decoding:
-its tokens are every row's newest and drafts, padded to k + 1 a row) or `draft` (a draft
-model's decode passes, the target's first layers for self-speculation), `slot` is `real` or
-`padding`; vLLM's own `vllm:spec_decode_*` series count drafts and acceptances):
+its tokens are every row's newest and drafts, padded to k + 1 a row) or `encode`, `slot` is
+`real` or `padding`; vLLM's own `vllm:spec_decode_*` series count drafts and acceptances):
 - `vllm_aot:program_executions_total{program,kind}`: runs per compiled program, zeros included
   (an unused bucket shows as 0). A layer program counts once per layer pass (it runs once per
   decoder layer within it); a head program (`greedy`/`sample`/`verify_greedy`/`verify_sample`

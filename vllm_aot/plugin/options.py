@@ -28,7 +28,7 @@ from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.placement import available_cores, split_front_end
 from vllm_aot.plugin.engine_flags import GIVEN_KEY, given_in_config
 from vllm_aot.plugin.front_end import front_end_nice
-from vllm_aot.plugin.spec_decode import draft_plan, num_speculative_tokens
+from vllm_aot.plugin.spec_decode import draft_model_path, num_speculative_tokens
 from vllm_aot.runtime.config import RuntimeConfig, kv_cache_dtype_name
 from vllm_aot.runtime.options import BY_NAME, ENGINE_OPTIONS, SPECULATIVE_FLAG
 
@@ -64,28 +64,12 @@ class AotOptions:
     # The engine's torch threads (default: one per core of its affinity). Fewer can serve faster
     # where the cores are shared: a descheduled thread stalls its team at every parallel loop.
     num_threads: int | None = None
-    # Speculative decoding's `method: draft_model` (`plugin/spec_decode.py`): the draft's layers
-    # (None: all; self-speculation's default is half the target's), and the draft model's path
-    # (None: none, or the target itself).
-    draft_layers: int | None = None  # --additional-config may say "all" (resolved at start)
+    # Speculative decoding's `method: draft_model` (`plugin/spec_decode.py`): the draft model's
+    # path (None: no draft model).
     draft_model: str | None = None
-    # The target drafting with every layer: multi-step decoding, no verify programs (the
-    # runtime's num_speculative_tokens is 0; vLLM's --speculative-config keeps k).
-    multi_step: bool = False
     # The cores the front end runs on, resolved at start (`plugin/front_end.py`): the API
     # server and the engine's own threads there, the steps on the rest. Empty: shared.
     front_end_cores: tuple[int, ...] = ()
-
-    @property
-    def max_draft_rows(self) -> int:
-        """The widest decode batch that takes drafts: the largest verify program's (any decode
-        batch under multi-step decoding); 0 without speculative decoding."""
-        buckets = (
-            self.runtime.decode_batch_buckets
-            if self.multi_step
-            else self.runtime.verify_batch_buckets
-        )
-        return max(buckets, default=0)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -233,7 +217,7 @@ def resolve_options(
     flags the user gave (option name -> value, before vLLM's defaults); `vllm`: vLLM's values of
     `VLLM_DECIDES` and `max_model_len` (the length it allows: the given one, else the model's);
     `extra`: --additional-config; `decided`: engine options the platform fixed (stats file,
-    draft plan, front-end cores)."""
+    draft model, front-end cores)."""
     extra, engine = _split_extra(extra)
     engine |= decided or {}
     decides = {name: vllm[name] for name in VLLM_DECIDES}
@@ -272,8 +256,7 @@ def resolve_engine_options(vllm_config, *, is_async: bool) -> AotOptions:
     given = extra.pop(GIVEN_KEY, None)
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    plan = draft_plan(vllm_config.speculative_config, extra.get("draft_layers"))
-    decided = dict(plan._asdict())
+    decided = {"draft_model": draft_model_path(vllm_config.speculative_config)}
     if extra.get("stats_file") is None:
         decided["stats_file"] = _stats_file()
     if is_async and parallel.world_size == 1:  # steps on their thread
@@ -285,7 +268,7 @@ def resolve_engine_options(vllm_config, *, is_async: bool) -> AotOptions:
         "quantization": model_config.quantization,
         "runner": model_config.runner_type,
         "convert": convert_type(model_config),
-        "num_speculative_tokens": 0 if plan.multi_step else num_speculative_tokens(vllm_config),
+        "num_speculative_tokens": num_speculative_tokens(vllm_config),
         "tensor_parallel_size": parallel.tensor_parallel_size,
         "enable_expert_parallel": parallel.enable_expert_parallel,
         "max_model_len": model_config.max_model_len,

@@ -137,14 +137,7 @@ def _speculative_summary(spec_config, options) -> str:
     if spec_config is None:
         return "off"
     runtime = options.runtime
-    if options.multi_step:
-        k = spec_config.num_speculative_tokens
-        return f"multi-step: the whole model drafts for itself, up to {k + 1} tokens a step"
-    draft = ""
-    if spec_config.method == "draft_model":
-        layers = "all" if options.draft_layers is None else options.draft_layers
-        source = options.draft_model or "the target itself (self-speculative)"
-        draft = f", draft {source}, {layers} layers"
+    draft = f", draft {options.draft_model}" if options.draft_model else ""
     return (
         f"{spec_config.method} k={runtime.num_speculative_tokens}{draft} "
         f"(verify batches {runtime.verify_batch_buckets})"

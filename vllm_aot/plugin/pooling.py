@@ -12,29 +12,28 @@
 
 Both pool as the model's pooler configuration says (`--pooler-config`, by default the
 sentence-transformers directory's for an encoder, LAST for a decoder) and L2-normalise when the
-request's `use_activation` asks (vLLM's default for embeddings). A request the model cannot serve
-(token ids outside the vocabulary, a dimension reduction) fails alone (`faults.py`, reported in
-the output for `PoolingScheduler` (a `ReportingScheduler`) to finish).
+request's `use_activation` asks (vLLM's default for embeddings). Both keep their requests as
+`RequestRunner`s (`plugin/bookkeeping.py`): a request the model cannot serve (token ids outside
+the vocabulary, a dimension reduction) fails alone, reported in the output for
+`PoolingScheduler` (a `ReportingScheduler`) to finish.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_aot.models.pooling import PooledChunks, Pooling, pool
-from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
+from vllm_aot.plugin.bookkeeping import RequestRunner
+from vllm_aot.plugin.faults import AotRunnerOutput, RequestError
 from vllm_aot.runtime.encode_inputs import EncoderSequence
 from vllm_aot.runtime.encoder import EncoderModel
 from vllm_aot.runtime.inputs import PrefillChunk, prefill_key
 from vllm_aot.runtime.model import CompiledModel
-
-logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
 
 def token_type_ids(new: NewRequestData) -> list[int] | None:
@@ -47,7 +46,7 @@ def token_type_ids(new: NewRequestData) -> list[int] | None:
     return [int(i >= start) for i in range(len(new.prompt_token_ids))]
 
 
-def admit(new: NewRequestData, *, vocab_size: int, pooling_type: str) -> Pooling:
+def pooling_of(new: NewRequestData, *, vocab_size: int, pooling_type: str) -> Pooling:
     """A new request's pooling; RequestError when the model cannot serve it."""
     params = new.pooling_params
     if params is None or new.prompt_token_ids is None:
@@ -58,16 +57,6 @@ def admit(new: NewRequestData, *, vocab_size: int, pooling_type: str) -> Pooling
     if params.dimensions is not None:
         raise RequestError(f"dimensions={params.dimensions}: only full embeddings are served")
     return Pooling(pooling_type, normalize=params.use_activation is not False)
-
-
-def fail(exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
-    """`exc` ends the requests `req_ids` (recorded in `failed`), or, when it is fatal
-    (`faults.is_per_request`), propagates."""
-    if not is_per_request(exc, len(req_ids)):
-        raise exc
-    reason = describe(exc)
-    logger.warning("vllm-aot: request %s failed: %s", ", ".join(req_ids), reason)
-    failed.update(dict.fromkeys(req_ids, reason))
 
 
 def pooling_output(
@@ -92,39 +81,41 @@ class EncoderRow:
     pooling: Pooling
 
 
-class PoolingRunner:
+class PoolingRunner(RequestRunner[EncoderRow]):
+    """An encoder's requests live for one step: each is scheduled whole, encoded, pooled and
+    forgotten."""
+
     def __init__(self, model: EncoderModel, pooling_type: str) -> None:
+        super().__init__()
         self.model = model
         self.pooling_type = pooling_type
-        self.vocab_size = model.arch.vocab_size
-        self.requests: dict[str, object] = {}  # none kept between steps (the worker asks)
+
+    def admit(self, new: NewRequestData) -> EncoderRow:
+        vocab_size = self.model.arch.vocab_size
+        pooling = pooling_of(new, vocab_size=vocab_size, pooling_type=self.pooling_type)
+        sequence = EncoderSequence(new.prompt_token_ids, token_type_ids(new))
+        return EncoderRow(new.req_id, sequence, pooling)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Encode and pool every scheduled request (each one new and whole)."""
-        if out.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
         assert not out.scheduled_cached_reqs.req_ids, (
             "an encoder request scheduled twice: vLLM schedules encoder prompts whole"
         )
-        failed: dict[str, str] = {}
-        rows: list[EncoderRow] = []
-        for new in out.scheduled_new_reqs:
-            try:
-                pooling = admit(new, vocab_size=self.vocab_size, pooling_type=self.pooling_type)
-            except Exception as exc:
-                fail(exc, [new.req_id], failed)
-                continue
-            sequence = EncoderSequence(new.prompt_token_ids, token_type_ids(new))
-            rows.append(EncoderRow(new.req_id, sequence, pooling))
+        failed = self.update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        rows = list(self.requests.values())
         embeddings: dict[str, torch.Tensor] = {}
         for group in self._groups(rows):
             try:
                 hidden = self.model.encode([r.sequence for r in group])
             except Exception as exc:
-                fail(exc, [r.req_id for r in group], failed)
+                self.fail(exc, [r.req_id for r in group], failed)
                 continue
             for row, states in zip(group, hidden, strict=True):
                 embeddings[row.req_id] = pool(states, row.pooling)
+        for row in rows:
+            self.forget(row.req_id)
         return pooling_output(out, embeddings, failed)
 
     def _groups(self, rows: Sequence[EncoderRow]) -> list[list[EncoderRow]]:
@@ -143,78 +134,61 @@ class PoolingPrompt:
 
     token_ids: list[int]
     block_table: list[int]
-    num_computed: int  # tokens in the KV cache (earlier chunks, a prefix hit)
+    num_computed_tokens: int  # tokens in the KV cache (earlier chunks, a prefix hit)
     pooled: PooledChunks = field(repr=False)
 
 
-class DecoderPoolingRunner:
+class DecoderPoolingRunner(RequestRunner[PoolingPrompt]):
+    """A decoder's prompts, pooled chunk by chunk; a prompt is forgotten once pooled whole."""
+
     def __init__(self, model: CompiledModel, pooling_type: str) -> None:
+        super().__init__()
         self.model = model
         self.pooling_type = pooling_type
-        self.prompts: dict[str, PoolingPrompt] = {}
 
-    @property
-    def requests(self) -> dict[str, PoolingPrompt]:
-        """The prompts in flight (the worker asks whether any is)."""
-        return self.prompts
-
-    def _update(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
-        for req_id in out.finished_req_ids:
-            self.prompts.pop(req_id, None)
+    def admit(self, new: NewRequestData) -> PoolingPrompt:
         vocab_size = self.model.arch.vocab_size
-        for new in out.scheduled_new_reqs:
-            try:
-                pooling = admit(new, vocab_size=vocab_size, pooling_type=self.pooling_type)
-            except Exception as exc:
-                fail(exc, [new.req_id], failed)
-                continue
-            self.prompts[new.req_id] = PoolingPrompt(
-                list(new.prompt_token_ids),
-                list(new.block_ids[0]),
-                new.num_computed_tokens,
-                PooledChunks(pooling),
-            )
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            prompt = self.prompts[req_id]
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:  # preempted: fresh blocks, pooled again
-                prompt.block_table = list(new_blocks[0]) if new_blocks else []
-                prompt.pooled = PooledChunks(prompt.pooled.pooling)
-            elif new_blocks is not None:
-                prompt.block_table.extend(new_blocks[0])
-            prompt.num_computed = cached.num_computed_tokens[i]
+        pooling = pooling_of(new, vocab_size=vocab_size, pooling_type=self.pooling_type)
+        return PoolingPrompt(
+            list(new.prompt_token_ids),
+            list(new.block_ids[0]),
+            new.num_computed_tokens,
+            PooledChunks(pooling),
+        )
+
+    def update(self, req_id: str, state: PoolingPrompt, cached: CachedRequestData, i: int) -> None:
+        super().update(req_id, state, cached, i)
+        if req_id in cached.resumed_req_ids:  # preempted: fresh blocks, pooled again
+            state.pooled = PooledChunks(state.pooled.pooling)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step's prompt chunks and pool them; a prompt's embedding after its last."""
+        failed = self.update_states(out)
         if out.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        failed: dict[str, str] = {}
-        self._update(out, failed)
         chunks = {
-            rid: self._chunk(self.prompts[rid], n)
+            rid: self._chunk(self.requests[rid], n)
             for rid, n in out.num_scheduled_tokens.items()
-            if rid not in failed
+            if rid in self.requests
         }
         embeddings: dict[str, torch.Tensor] = {}
         for group in self._groups(chunks):
             try:
                 states = self.model.prefill_states([chunks[rid] for rid in group])
             except Exception as exc:
-                fail(exc, group, failed)
+                self.fail(exc, group, failed)
                 continue
             for rid, chunk_states in zip(group, states, strict=True):
-                prompt = self.prompts[rid]
+                prompt = self.requests[rid]
                 prompt.pooled.add(chunk_states)
                 if chunks[rid].num_cached + len(chunks[rid].token_ids) == len(prompt.token_ids):
-                    embeddings[rid] = self.prompts.pop(rid).pooled.result()
-        for rid in failed:
-            self.prompts.pop(rid, None)
+                    embeddings[rid] = prompt.pooled.result()
+                    self.forget(rid)
         return pooling_output(out, embeddings, failed)
 
     @staticmethod
     def _chunk(prompt: PoolingPrompt, num_tokens: int) -> PrefillChunk:
-        start = prompt.num_computed
+        start = prompt.num_computed_tokens
         return PrefillChunk(prompt.token_ids[start : start + num_tokens], start, prompt.block_table)
 
     def _groups(self, chunks: dict[str, PrefillChunk]) -> Iterable[list[str]]:

@@ -1,32 +1,30 @@
 """AotModelRunner: vLLM's SchedulerOutput -> bucketed program runs -> vLLM's ModelRunnerOutput.
 
-Per step: forget finished requests, record new and updated ones (the scheduler sends prompts,
-blocks and sampling parameters once; we keep the tokens we sample), then run the layers in
-`execute_model` and the head in `sample_tokens`, after vLLM has computed the grammar bitmask for
-structured-output requests. A step is one prompt's chunk or every running request's decode
-(the policy's steps, `runtime/policy.py`, AotScheduler's guarantee). Decode rows that carry
-drafts make the step a verify step (`plugin/spec_decode.py`): one verify program, every row's
-accepted drafts plus one token back, and the next drafts proposed for `take_draft_token_ids`
-(multi-step decoding: the drafts are the model's own, the step decodes each row's last draft
-and returns its drafts and one token). While a profiler records, the host-side phases are
-named ranges (`update_states`, `logits_processing`, `runner_output`) around the model's own.
+Per step: forget finished requests, record new and updated ones (`plugin/bookkeeping.py`: the
+scheduler sends prompts, blocks and sampling parameters once; we keep the tokens we sample), then
+run the layers in `execute_model` and the head in `sample_tokens`, after vLLM has computed the
+grammar bitmask for structured-output requests. A step is one prompt's chunk or every running
+request's decode (the policy's steps, `runtime/policy.py`, AotScheduler's guarantee). Decode rows
+that carry drafts make the step a verify step (`plugin/spec_decode.py`): one verify program,
+every row's accepted drafts plus one token back, and the next drafts proposed for
+`take_draft_token_ids` (the `Drafter` of whichever method). While a profiler records, the
+host-side phases are named ranges (`update_states`, `logits_processing`, `runner_output`) around
+the model's own.
 
 A failure that concerns one request (`faults.is_per_request`: a new request the model cannot
-serve, a step of one request, one row's host-side processing) drops that request and reports it
-in the step's output (`AotRunnerOutput.failed_requests`) for the scheduler to finish with an
-error; the other requests of the step keep their tokens. Other failures propagate (fatal).
+serve, a step of one request, one row's host-side processing) fails that request alone
+(`RequestRunner.fail`); the other requests of the step keep their tokens.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     DraftTokenIds,
@@ -35,7 +33,8 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 
-from vllm_aot.plugin.faults import AotRunnerOutput, RequestError, describe, is_per_request
+from vllm_aot.plugin.bookkeeping import RequestRunner
+from vllm_aot.plugin.faults import AotRunnerOutput
 from vllm_aot.plugin.logits import draw_processed, grammar_masks, vocab_mask
 from vllm_aot.plugin.prompt_logprobs import PromptLogprobs
 from vllm_aot.plugin.requests import (
@@ -44,13 +43,11 @@ from vllm_aot.plugin.requests import (
     prompt_of,
     refuse_unservable,
 )
-from vllm_aot.plugin.spec_decode import ModelDrafter, NgramDrafter, run_verify, strip_padding
+from vllm_aot.plugin.spec_decode import Drafter, run_verify, strip_padding
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling, VerifyInputs, prefill_key
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import is_prefilling
 from vllm_aot.runtime.sampler import SamplerOutput
-
-logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
 
 @dataclass(frozen=True)
@@ -71,10 +68,8 @@ class ScheduledRow:
         return self.start + self.num_known == self.request.num_tokens
 
     def decode_row(self) -> DecodeRow:
-        """A decode pass's input: the newest token, or under multi-step decoding the last draft
-        (the drafting wrote the K/V of the positions before it)."""
-        token = self.drafts[-1] if self.drafts else self.request.token(self.start)
-        return DecodeRow(token, self.start + len(self.drafts), self.request.block_table)
+        """A decode pass's input: the newest token."""
+        return DecodeRow(self.request.token(self.start), self.start, self.request.block_table)
 
     @property
     def is_decode(self) -> bool:
@@ -84,17 +79,16 @@ class ScheduledRow:
 
 class Sampled(NamedTuple):
     """A request's sampled tokens: rows `row`.. of a head output (or of its host re-sampling),
-    more than one when a verify step accepted drafts; after the `known` ones (multi-step)."""
+    more than one when a verify step accepted drafts."""
 
     out: SamplerOutput
     row: int
     num_logprobs: int | None  # top-n the request asked for (None: no logprobs)
     num_tokens: int = 1  # rows of `out`
-    known: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> list[int]:
-        return [*self.known, *self.out.tokens[self.row : self.row + self.num_tokens].tolist()]
+        return self.out.tokens[self.row : self.row + self.num_tokens].tolist()
 
 
 @dataclass(frozen=True)
@@ -116,74 +110,37 @@ class PendingStep:
     failed: dict[str, str]  # req_id -> reason, of the requests failed so far
 
 
-class AotModelRunner:
-    def __init__(
-        self, model: CompiledModel, drafter: ModelDrafter | NgramDrafter | None = None
-    ) -> None:
+class AotModelRunner(RequestRunner[CachedRequest]):
+    def __init__(self, model: CompiledModel, drafter: Drafter | None = None) -> None:
+        super().__init__()
         self.model = model
-        self.requests: dict[str, CachedRequest] = {}
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt logprobs are in progress
         self._pending: PendingStep | None = None
         self.drafter = drafter  # None: no speculative decoding
-        self._multi_step = isinstance(drafter, ModelDrafter) and drafter.exact
         self._drafts: DraftTokenIds | None = None
 
-    def _fail(self, exc: Exception, req_ids: Sequence[str], failed: dict[str, str]) -> None:
-        """`exc` ends the requests `req_ids` (forgotten, recorded in `failed`), or, when it is
-        fatal (`faults.is_per_request`), propagates."""
-        if not is_per_request(exc, len(req_ids)):
-            raise exc
-        reason = describe(exc)
-        traceback = None if isinstance(exc, RequestError) else exc  # bad input needs none
-        logger.warning(
-            "vllm-aot: request %s failed: %s", ", ".join(req_ids), reason, exc_info=traceback
-        )
-        for req_id in req_ids:
-            self._forget(req_id)
-            failed[req_id] = reason
+    # -- state (plugin/bookkeeping.py) --------------------------------------------------------
 
-    def _forget(self, req_id: str) -> None:
+    def forget(self, req_id: str) -> None:
         """A request leaves: its state, prompt logprobs in progress and draft state."""
-        self.requests.pop(req_id, None)
+        super().forget(req_id)
         self.prompt_logprobs.forget(req_id)
         if self.drafter is not None:
             self.drafter.forget(req_id)
 
-    # -- state ------------------------------------------------------------------------------
+    def update(self, req_id: str, state: CachedRequest, cached: CachedRequestData, i: int) -> None:
+        """Blocks and computed tokens; a resumed request's tokens resent in full (its draft
+        state gone with its blocks); sampled tokens vLLM discarded dropped (async scheduling)."""
+        super().update(req_id, state, cached, i)
+        if req_id in cached.resumed_req_ids:
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
+            all_tokens = cached.all_token_ids[req_id]
+            state.output_token_ids = list(all_tokens[len(state.prompt_token_ids) :])
+        if cached.num_output_tokens:
+            del state.output_token_ids[cached.num_output_tokens[i] :]
 
-    def update_states(self, out: SchedulerOutput) -> dict[str, str]:
-        """Forget finished requests, record new ones and updates; new requests that cannot be
-        served are left out and returned (req_id -> reason)."""
-        for req_id in out.finished_req_ids:
-            self._forget(req_id)
-        failed: dict[str, str] = {}
-        for new in out.scheduled_new_reqs:
-            try:
-                self.requests[new.req_id] = self._admit(new)
-            except Exception as exc:
-                self._fail(exc, [new.req_id], failed)
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            req = self.requests.get(req_id)
-            if req is None:  # failed in the step before, scheduled before vLLM knew (async)
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                # Preempted and rescheduled: fresh blocks (a draft model's K/V gone with them),
-                # tokens resent in full.
-                if self.drafter is not None:
-                    self.drafter.forget(req_id)
-                req.block_table = list(new_blocks[0]) if new_blocks else []
-                all_tokens = cached.all_token_ids[req_id]
-                req.output_token_ids = list(all_tokens[len(req.prompt_token_ids) :])
-            elif new_blocks is not None:
-                req.block_table.extend(new_blocks[0])
-            req.num_computed_tokens = cached.num_computed_tokens[i]
-            if cached.num_output_tokens:
-                del req.output_token_ids[cached.num_output_tokens[i] :]
-        return failed
-
-    def _admit(self, new: NewRequestData) -> CachedRequest:
+    def admit(self, new: NewRequestData) -> CachedRequest:
         """A new request's state; RequestError when the compiled model cannot serve it."""
         arch, config = self.model.arch, self.model.config
         refuse_unservable(
@@ -225,7 +182,7 @@ class AotModelRunner:
         try:
             layers = [self._run_layers(rows)] if rows else []
         except Exception as exc:
-            self._fail(exc, [r.request.req_id for r in rows], failed)
+            self.fail(exc, [r.request.req_id for r in rows], failed)
             layers = []
         if not layers:
             return self._runner_output(req_ids, {}, failed)
@@ -245,7 +202,7 @@ class AotModelRunner:
             f"mixed step: {num_decode} decode and {len(rows) - num_decode} prefill rows; "
             "AotScheduler never schedules one"
         )
-        if num_decode and any(r.drafts for r in rows) and not self._multi_step:
+        if num_decode and any(r.drafts for r in rows):
             hidden, inputs = run_verify(self.model, rows)
             return LayerOutput(tuple(rows), hidden, verify=inputs)
         if num_decode:
@@ -283,7 +240,7 @@ class AotModelRunner:
                     prompt_logprobs.update(scored)
                 sampled.update(self._sample_layer(layer, masks, step.failed))
             except Exception as exc:
-                self._fail(exc, [r.request.req_id for r in layer.rows], step.failed)
+                self.fail(exc, [r.request.req_id for r in layer.rows], step.failed)
         with self.model.spans("runner_output"):
             return self._runner_output(step.req_ids, sampled, step.failed, prompt_logprobs)
 
@@ -292,16 +249,15 @@ class AotModelRunner:
     ) -> dict[str, Sampled]:
         """The head over one program run; rows needing logits processing re-sampled on the host
         (a failure there ends that row's request alone)."""
-        known = [r.drafts if layer.verify is None else () for r in layer.rows]  # multi-step
         vocab_size, config = self.model.arch.vocab_size, self.model.config
         sampling = [
             RowSampling(
                 r.request.sampling,
                 r.request.seed,
-                r.start + r.num_known + len(k),
+                r.start + r.num_known,
                 vocab_mask(r.request, masks.get(r.request.req_id), vocab_size),
             )
-            for r, k in zip(layer.rows, known, strict=True)
+            for r in layer.rows
         ]
         if layer.verify is None:
             out, num_accepted, n = self.model.sample(layer.hidden, sampling), None, 1
@@ -318,7 +274,7 @@ class AotModelRunner:
                 processed.append(i)
                 continue
             count = 1 if num_accepted is None else 1 + int(num_accepted[i])
-            sampled[request.req_id] = Sampled(out, i * n, request.params.logprobs, count, known[i])
+            sampled[request.req_id] = Sampled(out, i * n, request.params.logprobs, count)
         if not processed:
             return sampled
         with self.model.spans("logits_processing"):
@@ -327,7 +283,7 @@ class AotModelRunner:
                 [layer.rows[i].request for i in processed],
                 [sampling[i] for i in processed],
                 config,
-                on_failure=lambda exc, req_ids: self._fail(exc, req_ids, failed),
+                on_failure=lambda exc, req_ids: self.fail(exc, req_ids, failed),
             )
         for request, resampled, j in redrawn:
             sampled[request.req_id] = Sampled(resampled, j, request.params.logprobs)
@@ -377,7 +333,7 @@ def _logprobs(entries: Sequence[Sampled | None]) -> LogprobsLists | None:
     if not wanted:
         return None
     k = max(wanted)
-    counts = [1 if e is None else len(e.known) + e.num_tokens for e in entries]
+    counts = [1 if e is None else e.num_tokens for e in entries]
     starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
     ids = np.zeros((starts[-1], k + 1), dtype=np.int32)
     values = np.zeros((starts[-1], k + 1), dtype=np.float32)

@@ -36,6 +36,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_aot.plugin.faults import failed_requests
 from vllm_aot.plugin.options import AotOptions
+from vllm_aot.plugin.spec_decode import max_verify_rows
 from vllm_aot.runtime import policy
 from vllm_aot.runtime.policy import Limits, StepKind
 
@@ -170,8 +171,7 @@ class AotScheduler(ReportingScheduler):
     @functools.cached_property
     def max_verify_rows(self) -> int:
         """The widest decode batch that takes drafts (0 without speculative decoding)."""
-        options = AotOptions.of(self.vllm_config)
-        return options.max_draft_rows
+        return max_verify_rows(AotOptions.of(self.vllm_config).runtime)
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         waiting = list(self.waiting)

@@ -1,4 +1,4 @@
-"""Speculative decoding through vLLM's seams: what is supported, and the drafter.
+"""Speculative decoding through vLLM's seams: what is supported, and the drafters.
 
 vLLM's `--speculative-config` reaches us three ways. At start the platform refuses what we cannot
 run (`speculative_problems`) and compiles verify programs for `num_speculative_tokens`
@@ -7,23 +7,14 @@ run (`speculative_problems`) and compiles verify programs for `num_speculative_t
 verifies them in one verify program and returns the accepted tokens plus one
 (`ModelRunnerOutput.sampled_token_ids`), and vLLM's scheduler rolls back the rejected positions
 (their K/V are overwritten by the next step before anything reads them). After the step the
-engine asks for the next drafts (`take_draft_token_ids`): ours come from a drafter's `propose`.
+engine asks for the next drafts (`take_draft_token_ids`): ours come from the `Drafter` that
+`make_drafter` picks for the method, whatever it is.
 
 Supported:
 - `method: ngram` (`NgramDrafter`): prompt lookup, vLLM's own n-gram matcher on the host.
-- `method: draft_model` (`ModelDrafter`, over `runtime/draft.py`): greedy drafts from a model's
-  compiled programs. `model` naming the target itself is self-speculation: the target's first
-  `draft_layers` layers (`--additional-config`, default half), its final norm and head, reading
-  and writing the target's KV pool. Another model sharing the target's vocabulary drafts with
-  its own programs, weights and pool (the target's block ids; vLLM reserves the lookahead slots
-  its passes write), in the target's dtype, all its layers unless `draft_layers` cuts it.
-- **Multi-step decoding** (`DraftPlan.multi_step`): self-speculation with every layer
-  (`draft_layers` the target's depth). Each request's drafts are sampled as the request samples,
-  so they are the target's own next tokens: no verify program is compiled or run, a step with
-  drafts is one decode pass over each row's last draft, and it returns the drafts and that
-  pass's token (k + 1 tokens a step, the engine's scheduling, output and streaming shared by
-  them). A request asking logprobs decodes one token a step; a request's first token goes out
-  as soon as it is sampled, its drafts start with its second.
+- `method: draft_model` (`ModelDrafter`, over `runtime/draft.py`): greedy drafts from another
+  model sharing the target's vocabulary, with its own programs, weights and pool (the target's
+  block ids; vLLM reserves the lookahead slots its passes write), in the target's dtype.
 A request gets no drafts while it uses structured outputs, host-side logits processing
 (penalties, bias: its tokens come from the host) or rules that ban tokens (min_tokens, bad
 words, allowed tokens: a mask each step), or when one more token
@@ -35,15 +26,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from vllm_aot.models.registry import encoder_architectures, supported_architectures
-from vllm_aot.runtime.config import MAX_SPECULATIVE_TOKENS
+from vllm_aot.runtime.config import MAX_SPECULATIVE_TOKENS, RuntimeConfig
 from vllm_aot.runtime.draft import DraftGate, DraftRow, ModelDraft
 from vllm_aot.runtime.inputs import VerifyRow
-from vllm_aot.runtime.sampler import GREEDY
+from vllm_aot.runtime.model import CompiledModel
 
 if TYPE_CHECKING:  # the platform imports this module while vLLM's config is still loading
     from vllm.v1.outputs import DraftTokenIds
@@ -63,8 +54,7 @@ def speculative_problems(
     if spec_config.method not in SUPPORTED_METHODS:
         problems.append(
             f"speculative method {spec_config.method!r} (supported: "
-            f"{', '.join(SUPPORTED_METHODS)}: a draft model, or the target itself for a "
-            "self-speculative draft from its first layers)"
+            f"{', '.join(SUPPORTED_METHODS)}: prompt lookup, or a draft model)"
         )
     k = spec_config.num_speculative_tokens or 0
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -82,8 +72,14 @@ def _draft_model_problems(spec_config, model_config, tensor_parallel_size: int) 
         problems.append(
             "a quantized draft model (the draft runs in the target's dtype; give no quantization)"
         )
+    if names_target(spec_config.model, spec_config.target_model_config.model):
+        problems.append(
+            "a draft model that is the served model itself (supported: another, smaller model "
+            "sharing its vocabulary)"
+        )
+        return problems
     draft = spec_config.draft_model_config
-    if model_config is not None and draft is not None and not is_self_draft(spec_config):
+    if model_config is not None and draft is not None:
         archs = list(getattr(draft.hf_config, "architectures", None) or [])
         decoders = sorted(set(supported_architectures()) - set(encoder_architectures()))
         if not set(archs) & set(decoders):
@@ -97,61 +93,29 @@ def _draft_model_problems(spec_config, model_config, tensor_parallel_size: int) 
     return problems
 
 
-def is_self_draft(spec_config) -> bool:
-    """Whether `method: draft_model` names the target itself: self-speculation."""
-    if spec_config is None or spec_config.method != "draft_model":
-        return False
-    return names_target(spec_config.model, spec_config.target_model_config.model)
-
-
 def names_target(draft: str | None, target: str) -> bool:
     """Whether a draft model's path (None: none given) is the target itself."""
     return draft is None or draft == target or os.path.realpath(draft) == os.path.realpath(target)
 
 
-def is_multi_step(is_self: bool, draft_layers: int | str | None, total: int) -> bool:
-    """The multi-step rule, stated once (`vllm-aot serve` asks it of a command line too): the
-    target drafts for itself with its every layer (`draft_layers` "all" or its layer count)."""
-    return is_self and draft_layers in ("all", total)
-
-
-class DraftPlan(NamedTuple):
-    """What `method: draft_model` drafts with (the `AotOptions` fields of the same names)."""
-
-    draft_model: str | None = None  # the draft model's path; None for none or the target itself
-    draft_layers: int | None = None  # its layers; None for all
-    multi_step: bool = False  # the target drafting for itself with every layer
-
-
-def draft_plan(spec_config, draft_layers: int | str | None) -> DraftPlan:
-    """The plan from `--speculative-config` and `--additional-config`'s `draft_layers` (a
-    count, or "all": the draft's every layer); ValueError for layers the draft does not have,
-    or `draft_layers` without a draft model."""
+def draft_model_path(spec_config) -> str | None:
+    """The draft model `--speculative-config` names (`AotOptions.draft_model`); None without
+    `method: draft_model`."""
     if spec_config is None or spec_config.method != "draft_model":
-        if draft_layers is not None:
-            raise ValueError(
-                "--additional-config draft_layers needs --speculative-config method draft_model"
-            )
-        return DraftPlan()
-    is_self = is_self_draft(spec_config)
-    total = spec_config.draft_model_config.hf_config.num_hidden_layers
-    if draft_layers == "all":
-        draft_layers = total
-    if draft_layers is not None and not isinstance(draft_layers, int):
-        raise ValueError(f'draft_layers {draft_layers!r} (supported: 1..{total}, or "all")')
-    if draft_layers is None:
-        draft_layers = max(1, total // 2) if is_self else None
-    if draft_layers is not None and not 1 <= draft_layers <= total:
-        raise ValueError(f"draft_layers {draft_layers} (supported: 1..{total}, the draft's layers)")
-    if is_self:
-        return DraftPlan(None, draft_layers, multi_step=is_multi_step(True, draft_layers, total))
-    return DraftPlan(spec_config.model, draft_layers)
+        return None
+    return spec_config.model
 
 
 def num_speculative_tokens(vllm_config) -> int:
     """Drafts per row the verify programs take (0 without speculative decoding)."""
     spec_config = vllm_config.speculative_config
     return 0 if spec_config is None else spec_config.num_speculative_tokens
+
+
+def max_verify_rows(runtime: RuntimeConfig) -> int:
+    """The widest decode batch that takes drafts: the largest verify program's (0 without
+    speculative decoding)."""
+    return max(runtime.verify_batch_buckets, default=0)
 
 
 def strip_padding(drafts: Sequence[int] | None) -> tuple[int, ...]:
@@ -187,45 +151,58 @@ def wants_drafts(request: CachedRequest) -> bool:
 
 
 def _num_drafts(
-    request: CachedRequest,
-    tokens: Sequence[int],
-    k: int,
-    max_model_len: int,
-    gate: DraftGate | None,
+    request: CachedRequest, tokens: Sequence[int], k: int, max_model_len: int, gate: DraftGate
 ) -> int:
     """Drafts a request, whose tokens are now `tokens`, may take: none unless it `wants_drafts`
-    and its drafts have been paying (`gate`; None: drafts that always pay); never a position the
-    verify step cannot compute (past max_tokens or max_model_len)."""
-    if gate is not None and not gate.allows(request.req_id, tokens):
-        return 0
-    if not wants_drafts(request):
+    and its drafts have been paying (`gate`); never a position the verify step cannot compute
+    (past max_tokens or max_model_len)."""
+    if not gate.allows(request.req_id, tokens) or not wants_drafts(request):
         return 0
     remaining = request.max_tokens - len(request.output_token_ids)
     return max(0, min(k, remaining - 1, max_model_len - len(tokens)))
 
 
+class Drafter(Protocol):
+    """What the runner asks of speculative decoding, whichever the method."""
+
+    def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
+        """The next step's drafts of the requests that sampled this step (none for some)."""
+        ...
+
+    def forget(self, req_id: str) -> None:
+        """Drop a request's drafting state (finished, failed, or resumed with fresh blocks)."""
+        ...
+
+
+def make_drafter(
+    vllm_config, runtime: RuntimeConfig, draft_model: CompiledModel | None = None
+) -> Drafter | None:
+    """The drafter `--speculative-config` asks for (None: no speculative decoding):
+    `draft_model` is the built draft model of `method: draft_model`."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramDrafter(vllm_config)
+    assert draft_model is not None, f"method {spec.method} needs its draft model built"
+    return ModelDrafter(vllm_config, ModelDraft(draft_model), max_verify_rows(runtime))
+
+
 class ModelDrafter:
-    """Drafts from a model's programs (`runtime/draft.py`) for the requests that sampled this
-    step, all in one batch of passes, or none when the batch is wider than every verify
-    program (it would decode without them). Greedy, or under multi-step decoding (`exact`: the
-    whole target) sampled as each request samples, never gated, never verified."""
+    """Greedy drafts from a draft model's programs (`runtime/draft.py`) for the requests that
+    sampled this step, all in one batch of passes, or none when the batch is wider than every
+    verify program (it would decode without them)."""
 
     def __init__(self, vllm_config, draft: ModelDraft, max_rows: int) -> None:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.draft = draft
         self.max_rows = max_rows
-        self.gate = None if self.exact else DraftGate(is_shared=True)
-
-    @property
-    def exact(self) -> bool:
-        """Multi-step decoding: the draft is the whole target (`ModelDraft.is_exact`)."""
-        return self.draft.is_exact
+        self.gate = DraftGate(is_shared=True)
 
     def forget(self, req_id: str) -> None:
         self.draft.forget(req_id)
-        if self.gate is not None:
-            self.gate.forget(req_id)
+        self.gate.forget(req_id)
 
     def propose(self, requests: Sequence[CachedRequest]) -> DraftTokenIds:
         from vllm.v1.outputs import DraftTokenIds
@@ -233,20 +210,12 @@ class ModelDrafter:
         rows = []
         for request in requests:
             tokens = request.all_token_ids
-            if self.exact and (
-                request.params.logprobs is not None or len(request.output_token_ids) < 2
-            ):
-                # Its drafts' logprobs would be lost: one token a step. Its first token goes
-                # out as soon as it is sampled (time to first token), drafting from the next.
-                continue
             n = _num_drafts(request, tokens, self.k, self.max_model_len, self.gate)
-            if n and (self.draft.shares_kv or request.prompt_embeds is None):
-                params, seed = (request.sampling, request.seed) if self.exact else (GREEDY, 0)
-                rows.append(DraftRow(request.req_id, tokens, request.block_table, n, params, seed))
+            if n and request.prompt_embeds is None:  # the draft has no embeddings of its own
+                rows.append(DraftRow(request.req_id, tokens, request.block_table, n))
         drafts = self.draft.propose(rows) if len(rows) <= self.max_rows else {}
         for row in rows:
-            if self.gate is not None:
-                self.gate.drafted(row.req_id, len(row.tokens), drafts.get(row.req_id, ()))
+            self.gate.drafted(row.req_id, len(row.tokens), drafts.get(row.req_id, ()))
         return DraftTokenIds(
             [r.req_id for r in requests], [drafts.get(r.req_id, []) for r in requests]
         )

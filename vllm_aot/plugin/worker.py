@@ -39,9 +39,8 @@ from vllm_aot.plugin.parallel import join_ranks
 from vllm_aot.plugin.pooling import DecoderPoolingRunner, PoolingRunner
 from vllm_aot.plugin.profiling import WorkerProfiler
 from vllm_aot.plugin.runner import AotModelRunner
-from vllm_aot.plugin.spec_decode import ModelDrafter, NgramDrafter
+from vllm_aot.plugin.spec_decode import Drafter, make_drafter
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.draft import ModelDraft
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers show it
 
@@ -220,21 +219,13 @@ class AotWorker(WorkerBase):
         runner = PoolingRunner if self.arch.is_encoder else DecoderPoolingRunner
         return runner(self.model, pooling)
 
-    def _make_drafter(self) -> ModelDrafter | NgramDrafter | None:
-        """Speculative decoding's drafter: vLLM's n-gram matcher, the target's own first layers
-        (self-speculation) or a draft model with a pool of as many blocks as the target's."""
-        spec = self.vllm_config.speculative_config
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramDrafter(self.vllm_config)
-        options = self.options
-        if self.draft_loaded is None:
-            draft = ModelDraft(self.model, num_layers=options.draft_layers, shares_kv=True)
-        else:
+    def _make_drafter(self) -> Drafter | None:
+        """Speculative decoding's drafter (`plugin/spec_decode.py`), a draft model built with a
+        pool of as many blocks as the target's."""
+        draft_model = None
+        if self.draft_loaded is not None:
             draft_model = self.draft_loaded.build(self.model.kv.num_blocks)
-            draft = ModelDraft(draft_model, num_layers=options.draft_layers, shares_kv=False)
-        return ModelDrafter(self.vllm_config, draft, options.max_draft_rows)
+        return make_drafter(self.vllm_config, self.options.runtime, draft_model)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(

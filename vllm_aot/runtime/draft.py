@@ -1,28 +1,17 @@
-"""Drafts from a model for speculative decoding: one token a pass, on compiled programs.
+"""Drafts from a draft model for speculative decoding: one token a pass, on compiled programs.
 
-One loop serves both model-based methods. Each row's newest token (sampled, not yet in the
-target's cache) goes through the draft's layers, its head picks the first draft, that draft
-goes in at the next position, and so on for up to k passes (a row stops at its own
-`num_drafts`, so rows near their end or max_model_len take fewer). A pass is a decode program
-at the rows' batch bucket and a head program. Drafts are greedy unless a row says how to
-sample: greedy drafts are point masses, which the verify step's rejection sampling takes at any
+Each row's newest token (sampled, not yet in the target's cache) goes through the draft model's
+layers, its head picks the first draft, that draft goes in at the next position, and so on for
+up to k passes (a row stops at its own `num_drafts`, so rows near their end or max_model_len
+take fewer). A pass is a decode program at the rows' batch bucket and a greedy head program.
+Greedy drafts are point masses, which the verify step's rejection sampling takes at any
 temperature (`runtime/verify.py`).
 
-- **Self-speculation** (`shares_kv`): the draft is the target itself cut to its first
-  `num_layers` layers, with its final norm and head. Those layers' K/V at every position the
-  target has computed are the ones the draft would compute, so the draft reads the target's pool
-  and writes its passes' K/V there (positions the next verify step writes again, every layer).
-  Nothing to catch up: the first pass is always the newest token alone.
-- **The whole target** (`is_exact`: self-speculation with every layer), its rows sampled as
-  their requests sample (the same seed at the same position): each draft is the token the
-  target itself would decode there, so nothing needs verifying. A step that takes k of them
-  runs one decode pass over its last and returns k + 1 tokens: multi-step decoding, the
-  engine's work around a step shared by k + 1 tokens.
-- **A draft model** (its own weights, programs and pool, the target's block ids): the draft
-  holds the K/V of the tokens it was fed (`_fed`), and before drafting takes in whatever of the
-  request it has not seen, or saw with another value (a rejected draft), through its prefill
-  programs: the prompt the first time, then the one or two tokens a verify step accepted past
-  what it fed. A request's draft state is dropped with `forget` (finished, preempted).
+The draft model has its own weights, programs and pool, addressed by the target's block ids. It
+holds the K/V of the tokens it was fed (`_fed`), and before drafting takes in whatever of the
+request it has not seen, or saw with another value (a rejected draft), through its prefill
+programs: the prompt the first time, then the one or two tokens a verify step accepted past
+what it fed. A request's draft state is dropped with `forget` (finished, preempted).
 
 The caller reserves the blocks the passes write: positions up to len(tokens) - 1 + num_drafts - 1
 (vLLM's lookahead slots for a draft model).
@@ -37,7 +26,7 @@ import torch
 
 from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.sampler import GREEDY, SamplingParams
+from vllm_aot.runtime.sampler import GREEDY
 
 
 @dataclass(frozen=True)
@@ -49,28 +38,14 @@ class DraftRow:
     tokens: Sequence[int]
     block_table: Sequence[int]
     num_drafts: int
-    params: SamplingParams = GREEDY  # how the drafts are sampled (normalised)
-    seed: int = 0
 
 
 class ModelDraft:
-    """Drafts from `model`: the target's first `num_layers` layers (`shares_kv`; all of them:
-    `is_exact`), or a draft model of its own (every layer, its own pool)."""
+    """Greedy drafts from a draft model of its own (every layer, its own pool)."""
 
-    def __init__(
-        self, model: CompiledModel, *, num_layers: int | None = None, shares_kv: bool
-    ) -> None:
-        assert num_layers is None or 1 <= num_layers <= model.arch.num_layers, num_layers
+    def __init__(self, model: CompiledModel) -> None:
         self.model = model
-        self.num_layers = num_layers
-        self.shares_kv = shares_kv
-        self._fed: dict[str, list[int]] = {}  # own pool: the tokens whose K/V it holds, in order
-
-    @property
-    def is_exact(self) -> bool:
-        """Whether the draft is the whole target: drafts sampled as the target samples are its
-        own tokens."""
-        return self.shares_kv and self.num_layers in (None, self.model.arch.num_layers)
+        self._fed: dict[str, list[int]] = {}  # the tokens whose K/V it holds, in order
 
     def forget(self, req_id: str) -> None:
         """Drop a request's draft state (finished, or resumed with fresh blocks)."""
@@ -87,7 +62,6 @@ class ModelDraft:
         for step in range(1, max(r.num_drafts for r in rows)):
             live = [r for r in rows if r.num_drafts > step]
             tokens = self._pass(
-                live,
                 [
                     DecodeRow(drafts[r.req_id][-1], len(r.tokens) - 1 + step, r.block_table)
                     for r in live
@@ -95,20 +69,19 @@ class ModelDraft:
             )
             for row, token in zip(live, tokens, strict=True):
                 drafts[row.req_id].append(token)
-        if not self.shares_kv:
-            for row in rows:  # fed: every token, then every draft but the last
-                self._fed[row.req_id] = [*row.tokens, *drafts[row.req_id][:-1]]
+        for row in rows:  # fed: every token, then every draft but the last
+            self._fed[row.req_id] = [*row.tokens, *drafts[row.req_id][:-1]]
         return drafts
 
     def _first_drafts(self, rows: Sequence[DraftRow]) -> list[int]:
         """The first draft of each row: a decode pass over the rows whose only unseen token is
-        the newest, prefill chunks for the others (a draft model catching up)."""
+        the newest, prefill chunks for the others (catching up)."""
         first: dict[str, int] = {}
         seen = {r.req_id: self._num_seen(r) for r in rows}
         single = [r for r in rows if seen[r.req_id] == len(r.tokens) - 1]
         if single:
             newest = [DecodeRow(r.tokens[-1], len(r.tokens) - 1, r.block_table) for r in single]
-            for row, token in zip(single, self._pass(single, newest), strict=True):
+            for row, token in zip(single, self._pass(newest), strict=True):
                 first[row.req_id] = token
         for row in rows:
             if row.req_id not in first:
@@ -117,8 +90,6 @@ class ModelDraft:
 
     def _num_seen(self, row: DraftRow) -> int:
         """How many leading tokens of the row the draft holds K/V for (never the newest)."""
-        if self.shares_kv:
-            return len(row.tokens) - 1
         fed, tokens = self._fed.get(row.req_id, ()), row.tokens
         n = 0
         limit = min(len(fed), len(tokens) - 1)
@@ -126,13 +97,10 @@ class ModelDraft:
             n += 1
         return n
 
-    def _pass(self, rows: Sequence[DraftRow], inputs: Sequence[DecodeRow]) -> list[int]:
-        """One decode pass through the draft's layers and its head: a token per row, sampled
-        as the row says."""
-        hidden = self.model.forward_decode(inputs, num_layers=self.num_layers)
-        sampling = [
-            RowSampling(r.params, r.seed, i.position + 1) for r, i in zip(rows, inputs, strict=True)
-        ]
+    def _pass(self, inputs: Sequence[DecodeRow]) -> list[int]:
+        """One decode pass through the draft's layers and its head: a greedy token per row."""
+        hidden = self.model.forward_decode(inputs)
+        sampling = [RowSampling(GREEDY, 0, i.position + 1) for i in inputs]
         return self.model.sample(hidden, sampling).tokens.tolist()
 
     def _catch_up(self, row: DraftRow, start: int) -> int:
@@ -146,7 +114,7 @@ class ModelDraft:
             chunk = PrefillChunk(piece, begin, row.block_table)
             hidden = self.model.forward_prefill([chunk]).last
         assert hidden is not None
-        sampled = self.model.sample(hidden, [RowSampling(row.params, row.seed, end)])
+        sampled = self.model.sample(hidden, [RowSampling(GREEDY, 0, end)])
         return int(sampled.tokens[0])
 
 
@@ -165,10 +133,10 @@ class DraftGate:
     `min_accepted` drafts a step on average, it drafts nothing for a pause (`first_pause` steps,
     doubling each time it fails again, at most `max_pause`), then tries again. Drafts that fail
     cost their passes and a verify step each time (several decode steps), so text a drafter
-    cannot guess (prompt lookup on new prose, an early exit that rarely agrees) soon decodes at
-    plain speed. How many were accepted is read from the request's tokens: the drafts that
-    reappear in order after the position they were drafted for (a verify step's correction is
-    never the draft it replaces).
+    cannot guess (prompt lookup on new prose, a draft model unlike the target there) soon
+    decodes at plain speed. How many were accepted is read from the request's tokens: the
+    drafts that reappear in order after the position they were drafted for (a verify step's
+    correction is never the draft it replaces).
 
     With `is_shared` (a draft model: whether it agrees with the target is mostly a property of
     the pair, not of one request's text), a new request starts where the last decision left

@@ -148,10 +148,9 @@ class CompiledModel:
         context: tuple[torch.Tensor, torch.Tensor],
         num_real: int,
         given: GivenEmbeds | None = None,
-        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Embed (or take the `given` embeddings), run every layer (or the first `num_layers`:
-        a self-speculative draft) through the one program for this bucket; [tokens, hidden].
+        """Embed (or take the `given` embeddings), run every layer through the one program for
+        this bucket; [tokens, hidden].
 
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
@@ -165,7 +164,7 @@ class CompiledModel:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
             cos, sin = self._cos[positions], self._sin[positions]
             started = time.perf_counter()
-            for layer, weights in enumerate(self._layer_args[:num_layers]):
+            for layer, weights in enumerate(self._layer_args):
                 cache = self.kv.layer(layer)
                 args = (hidden, cos, sin, *cache, *context, slot_mapping, *weights)
                 hidden, k_new, v_new = program(*args)  # its K/V written into `cache`
@@ -251,16 +250,13 @@ class CompiledModel:
         normed = rms_norm(hidden[:num_real], self.weights.final_norm, self.arch.rms_norm_eps)
         return list(normed.split([len(c.token_ids) for c in chunks]))
 
-    def forward_decode(
-        self, rows: Sequence[DecodeRow], num_layers: int | None = None
-    ) -> torch.Tensor:
-        """Layers of a decode step; [row bucket, hidden]. With `num_layers`, a draft pass
-        (`runtime/draft.py`): the first layers alone, their K/V written, counted as `draft`."""
+    def forward_decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Layers of a decode step; [row bucket, hidden]."""
         with self.spans("prepare_inputs"):
             inputs = prepare_decode(rows, self.config)
         key = inputs.key
         self.step_stats.record(
-            "decode" if num_layers is None else "draft",
+            "decode",
             num_rows=len(rows),
             row_bucket=key.size,
             num_tokens=len(rows),
@@ -276,7 +272,6 @@ class CompiledModel:
             inputs.slot_mapping,
             context,
             len(rows),
-            num_layers=num_layers,
         )
 
     def forward_verify(self, rows: Sequence[VerifyRow]) -> tuple[torch.Tensor, VerifyInputs]:

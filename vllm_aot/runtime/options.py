@@ -42,7 +42,7 @@ class Option:
 
     @property
     def is_runtime(self) -> bool:
-        """A RuntimeConfig field (else an engine option: cache, threads, draft)."""
+        """A RuntimeConfig field (else an engine option: cache, threads, stats)."""
         return self.name in _RUNTIME_FIELDS
 
     @property
@@ -119,7 +119,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("require_cached", "a missing program is an error instead of a compile"),
     Option("stats_file", "where the worker reports start-up counters"),
     Option("num_threads", "the engine's torch threads (default: one per core of its affinity)"),
-    Option("draft_layers", 'a draft model\'s layers drafting (a count or "all")'),
 )  # fmt: skip
 BY_NAME = {option.name: option for option in OPTIONS}
 assert set(_RUNTIME_FIELDS) <= set(BY_NAME), "every RuntimeConfig field is an option"

@@ -17,7 +17,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYER_KINDS = ("prefill", "decode", "verify", "draft", "encode")
+LAYER_KINDS = ("prefill", "decode", "verify", "encode")
 # Upper bounds of the padding-fraction histogram's buckets (a fraction never exceeds 1).
 PADDING_FRACTION_BOUNDS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
@@ -57,7 +57,7 @@ class KindStats:
 
 class StepStats:
     """Counters of every layer pass since start-up, per kind (`prefill`, `decode`, `verify`,
-    `draft`: a self-speculative draft's first layers, `encode`).
+    `encode`).
 
     `record` runs on the stepping thread; `to_dict` may run on another one (a metrics writer):
     it copies plain ints, so a snapshot taken mid-pass may lag that pass by a field or two.

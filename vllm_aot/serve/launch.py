@@ -45,7 +45,7 @@ from vllm_aot.serve.replicas import (
     ReplicaSpec,
     RestartPolicy,
 )
-from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config, with_self_draft
+from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config
 
 GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (server_env)
 
@@ -154,7 +154,6 @@ def server_env() -> dict[str, str]:
 
 def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
     try:
-        passthrough = list(with_self_draft(tuple(passthrough), str(model_dir)))
         groups = replica_groups(
             requested_cores(args.cores),
             data_parallel_size=args.data_parallel_size,

@@ -8,14 +8,12 @@ registry never silently switches a user to float32.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from vllm_aot.plugin.engine_flags import parse_vllm_flags
 from vllm_aot.plugin.options import pinned_fields
-from vllm_aot.plugin.spec_decode import is_multi_step, names_target
 from vllm_aot.runtime.options import SELECTABLE
-from vllm_aot.serve.settings import RegistryPick, ShapeFlags, flag_value
+from vllm_aot.serve.settings import RegistryPick, ShapeFlags
 
 DEFAULT_DTYPE = "bfloat16"  # vLLM's "auto" on a CPU for float32 and bfloat16 checkpoints
 # What a command line that leaves these open runs: the platform's choice, pinned for selection.
@@ -25,16 +23,6 @@ _UNGIVEN = {
     "num_speculative_tokens": 0,
     "enable_expert_parallel": False,
 }
-
-
-def asks_multi_step(passthrough: tuple[str, ...], model_dir: str, num_layers: int) -> bool:
-    """Whether the command line asks multi-step decoding (`plugin/spec_decode.py`'s rule:
-    `method: draft_model` naming the served model, or none, drafting with its every layer),
-    whose programs are those of no speculative decoding."""
-    spec = json.loads(flag_value(passthrough, "--speculative-config") or "{}")
-    extra = json.loads(flag_value(passthrough, "--additional-config") or "{}")
-    is_self = spec.get("method") == "draft_model" and names_target(spec.get("model"), model_dir)
-    return is_multi_step(is_self, extra.get("draft_layers"), num_layers)
 
 
 def requested_shapes(flags: ShapeFlags, passthrough: tuple[str, ...]) -> dict[str, object]:
@@ -78,8 +66,6 @@ def pick_from_registry(
     limit = declared_max_len(model_dir) or arch.max_position_embeddings
     entries = [e for e in entries if e.runtime["max_model_len"] <= limit]
     requested = requested_shapes(flags, passthrough)
-    if asks_multi_step(passthrough, str(model_dir), arch.num_layers):
-        requested["num_speculative_tokens"] = 0  # no verify programs
     entry, why = select_configuration(entries, requested, num_cores=cores_per_replica)
     if entry is None:
         return None, f"{why}; defaults apply (compiled on first start unless --require-cached)"

@@ -12,7 +12,6 @@ flag given, it also brings its block size, chunk and bucket sets), else the plat
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,21 +134,6 @@ def _merge_additional_config(
             f"differently ({', '.join(f'{k}={ours[k]!r}' for k in clashes)}); give each once"
         )
     return {**ours, **theirs}, without_flag(passthrough, "--additional-config")
-
-
-def with_self_draft(passthrough: tuple[str, ...], model_dir: str) -> tuple[str, ...]:
-    """`--speculative-config` with `method: draft_model` and no `model` names the served model
-    itself: self-speculation (vLLM itself needs a draft model's path)."""
-    text = flag_value(passthrough, "--speculative-config")
-    spec = json.loads(text) if text else {}
-    if spec.get("method") != "draft_model" or spec.get("model"):
-        return passthrough
-    spec["model"] = model_dir
-    return (
-        *without_flag(passthrough, "--speculative-config"),
-        "--speculative-config",
-        json.dumps(spec),
-    )
 
 
 def _speculative_reason(parsed: VllmFlags) -> str:
