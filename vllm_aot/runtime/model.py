@@ -58,9 +58,11 @@ from vllm_aot.runtime.sampler import (
     all_greedy,
     token_mask,
 )
-from vllm_aot.runtime.signature import flatten
+from vllm_aot.runtime.signature import flat_call, flatten
 from vllm_aot.runtime.step_stats import StepStats
 from vllm_aot.runtime.verify import DraftTensors
+
+_LAYER_CALL = flat_call(LayerArgs)
 
 
 class Tap(Protocol):
@@ -176,7 +178,7 @@ class CompiledModel:
             started = time.perf_counter()
             for layer, weights in enumerate(self._layer_weights[:num_layers]):
                 cache = self.kv.layer(layer)
-                args = LayerArgs(
+                args = _LAYER_CALL(
                     hidden=hidden,
                     cos=cos,
                     sin=sin,
@@ -187,7 +189,7 @@ class CompiledModel:
                     step=step,
                     weights=weights,
                 )
-                hidden, k_new, v_new = program(*flatten(args))  # its K/V written into `cache`
+                hidden, k_new, v_new = program(*args)  # its K/V written into `cache`
                 if tap is not None:
                     hidden = self._tap_layer(
                         tap, layer, hidden, (k_new, v_new), step.slots, real_positions
