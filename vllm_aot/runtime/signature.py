@@ -103,9 +103,9 @@ def leaves(record: type) -> tuple[_Leaf, ...]:
 
 def _display(record: type, prefix: str) -> str:
     """A tuple display of the record's leaves, each read from `prefix` + its path."""
-    star = {True: "*", False: ""}
     parts = [
-        f"{star[isinstance(leaf.spec, Tensors)]}{prefix}{leaf.path}" for leaf in leaves(record)
+        f"{'*' if isinstance(leaf.spec, Tensors) else ''}{prefix}{leaf.path}"
+        for leaf in leaves(record)
     ]
     return f"({', '.join(parts)},)"
 
