@@ -99,6 +99,25 @@ def test_keys_change_with_what_changes_the_program():
     assert program_cache_key(renamed, TINY_CACHE_CONFIG, key) == base
 
 
+def test_every_runtime_field_says_whether_programs_are_keyed_by_it():
+    """Each RuntimeConfig field is declared `keyed` (programs read it: every cache key holds
+    it) or `unkeyed`, so a new field cannot be left out of the keys by forgetting it."""
+    from dataclasses import fields
+
+    from vllm_aot.cache.keys import program_fingerprint
+    from vllm_aot.runtime.config import KEYS_PROGRAMS, RuntimeConfig
+
+    marks = {f.name: f.metadata.get(KEYS_PROGRAMS) for f in fields(RuntimeConfig)}
+    unmarked = [name for name, mark in marks.items() if mark not in (True, False)]
+    assert not unmarked, (
+        f"declare these RuntimeConfig fields keyed(...) or unkeyed(...): {unmarked}"
+    )
+    key = all_program_keys(TINY_CACHE_CONFIG)[0]
+    runtime = program_fingerprint(tiny_arch(), TINY_CACHE_CONFIG, key)["runtime"]
+    assert set(runtime) == {name for name, mark in marks.items() if mark}
+    assert "dtype" in runtime and "max_num_seqs" not in runtime
+
+
 def test_an_encode_program_is_keyed_by_its_attention_window():
     """encode_t512 in windows of 64 and of 256 take masks of other shapes: one must never be
     served for the other. Windows run from 64 to the smallest power of two holding

@@ -21,7 +21,8 @@ from vllm_aot.models.registry import load_arch
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.kv_cache import KVCache
-from vllm_aot.runtime.programs import ProgramKind, all_program_keys, build_module, example_inputs
+from vllm_aot.runtime.programs import ProgramKind, all_program_keys, build_module, example_args
+from vllm_aot.runtime.signature import flatten
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -66,17 +67,26 @@ def test_a_layer_program_writes_its_step_k_v_into_its_pools_in_place(dtype):
     program, host = (
         KVCache(arch, num_blocks=8, block_size=16, dtype=dtype, scales=scales) for _ in range(2)
     )
-    inputs = list(example_inputs(key, arch, config))
+    args = example_args(key, arch, config)
     g = torch.Generator().manual_seed(0)
-    for i in (0, *range(10, len(inputs))):  # hidden and the weights (not all zeros)
-        if inputs[i].is_floating_point():
-            inputs[i] = torch.randn(inputs[i].shape, generator=g).to(inputs[i].dtype)
+
+    def rand(t: torch.Tensor) -> torch.Tensor:  # the hidden state and weights: not all zeros
+        return torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t
+
     slots = torch.tensor([17, 34, 0, 0][: key.size])  # block 1 pos 1, block 2 pos 2, the dummy
-    inputs[9] = slots
     layer = 1
-    inputs[3:7] = program.layer(layer)
+    cache = program.layer(layer)
+    args = args._replace(
+        hidden=rand(args.hidden),
+        k_pool=cache.k,
+        v_pool=cache.v,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        step=args.step._replace(slots=slots),
+        weights=tuple(rand(w) for w in args.weights),
+    )
     with torch.no_grad():
-        _, k_new, v_new = build_module(key, arch, config)(*inputs)
+        _, k_new, v_new = build_module(key, arch, config)(*flatten(args))
     host.write(layer, slots, k_new, v_new)
     for a, b in zip(program.k + program.v, host.k + host.v, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

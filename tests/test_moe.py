@@ -356,18 +356,19 @@ def test_compiled_layer_program_with_the_experts_kernel_matches_eager(tiny_model
     under export) and runs it as the eager module does (fp32)."""
     from vllm_aot.runtime.backends import eager_program, load_program
     from vllm_aot.runtime.compiler import compile_program
-    from vllm_aot.runtime.programs import ProgramKey, ProgramKind, example_inputs
+    from vllm_aot.runtime.programs import ProgramKey, ProgramKind, example_args
+    from vllm_aot.runtime.signature import flatten
 
     model_dir = tiny_model_dirs("mixtral")
     arch, config = load_arch(model_dir), tiny_config(backend="inductor")
     key = ProgramKey(ProgramKind.PREFILL, 64, 0)
     compile_program(key, arch, config, tmp_path / "layer.pt2")
     weights = load_weights(model_dir, arch, torch.float32).layers[0]
-    hidden, *rest = example_inputs(key, arch, config)[: -len(weights)]
+    args = example_args(key, arch, config)
     x = hidden_states(arch, seed=9).repeat(4, 1)[:64]
-    inputs = (x, *rest, *weights.values())
+    assert args.hidden.shape == x.shape
+    inputs = flatten(args._replace(hidden=x, weights=tuple(weights.values())))
     compiled = load_program(tmp_path / "layer.pt2", config)(*inputs)
     eager = eager_program(key, arch, config)(*inputs)
-    assert hidden.shape == x.shape
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, **TIGHT)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,19 @@ ALL_LINEARS = "*"  # `weight_formats`' name for every linear not named
 MAX_SPECULATIVE_TOKENS = 8  # drafts per row a verify program takes at most
 DEFAULT_MAX_VERIFY_BATCH = 8  # verify programs by default up to this batch bucket
 MIN_ENCODE_WINDOW = 64  # narrowest attention window of encode programs (`encode_windows`)
+KEYS_PROGRAMS = "keys_programs"  # a field's mark: whether compiled programs read it (`keyed`)
+
+
+def keyed(default: Any) -> Any:
+    """A field compiled programs read (their graphs change with it): part of every program's
+    cache key (`cache/keys.py`)."""
+    return field(default=default, metadata={KEYS_PROGRAMS: True})
+
+
+def unkeyed(default: Any) -> Any:
+    """A field programs do not read: it picks which programs exist (buckets, limits, the
+    runner), builds them (the backend) or sizes what they are given (the pool)."""
+    return field(default=default, metadata={KEYS_PROGRAMS: False})
 
 
 @dataclass(frozen=True)
@@ -47,39 +60,41 @@ class RuntimeConfig:
     so these go by twos).
     """
 
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    dtype: str = "bfloat16"
-    backend: str = "inductor"
-    decode_batch_buckets: tuple[int, ...] = ()
-    decode_context_buckets: tuple[int, ...] = ()  # tokens of KV read per row, multiples of block
-    prefill_token_buckets: tuple[int, ...] = ()
-    prefill_context_buckets: tuple[int, ...] = ()  # cached tokens read per prefill step
-    num_logprobs: int = 20  # top-n logprobs every head program returns
-    num_sampling_candidates: int = 256  # top-k/top-p decide among this many tokens
-    num_kv_blocks: int | None = None  # default: every row at max_model_len, plus the dummy
-    quantization: str | None = None  # one of QUANTIZATIONS; None: dense weights of `dtype`
+    max_num_seqs: int = unkeyed(32)
+    max_model_len: int = unkeyed(2048)
+    block_size: int = keyed(16)
+    max_num_batched_tokens: int = unkeyed(512)
+    dtype: str = keyed("bfloat16")
+    backend: str = unkeyed("inductor")
+    decode_batch_buckets: tuple[int, ...] = unkeyed(())
+    # tokens of KV read per row, multiples of block
+    decode_context_buckets: tuple[int, ...] = unkeyed(())
+    prefill_token_buckets: tuple[int, ...] = unkeyed(())
+    prefill_context_buckets: tuple[int, ...] = unkeyed(())  # cached tokens read per prefill step
+    num_logprobs: int = keyed(20)  # top-n logprobs every head program returns
+    num_sampling_candidates: int = keyed(256)  # top-k/top-p decide among this many tokens
+    num_kv_blocks: int | None = unkeyed(None)  # default: every row at max_model_len, plus the dummy
+    quantization: str | None = unkeyed(None)  # one of QUANTIZATIONS; None: dense weights of `dtype`
     # (linear name or "*", weight format): every linear's format, resolved at load from
     # `quantization` and the checkpoint (`models/checkpoints.py`); () for dense weights, and
     # for "gguf" until start-up reads the file's.
-    weight_formats: tuple[tuple[str, str], ...] = ()
-    kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name (or alias)
-    runner: str = "generate"  # one of RUNNERS
-    convert: str | None = None  # one of CONVERTS (vLLM's --convert), a decoder under "pooling"
+    weight_formats: tuple[tuple[str, str], ...] = keyed(())
+    kv_cache_dtype: str = keyed("auto")  # a KV_CACHE_DTYPES name (or alias)
+    runner: str = unkeyed("generate")  # one of RUNNERS
+    # one of CONVERTS (vLLM's --convert), a decoder under "pooling"
+    convert: str | None = unkeyed(None)
     # Speculative decoding: drafts verified per row per step (0: none, no verify programs), and
     # the batches verify programs exist for (default: the decode batches up to 8; a larger
     # batch decodes without drafts).
-    num_speculative_tokens: int = 0
-    verify_batch_buckets: tuple[int, ...] = ()
+    num_speculative_tokens: int = unkeyed(0)
+    verify_batch_buckets: tuple[int, ...] = unkeyed(())
     # Ranks the model is split over (heads, KV heads, intermediate features, vocabulary): every
     # rank runs the same programs on its own weights, collectives between (kernels/collectives).
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = keyed(1)
     # vLLM's --enable-expert-parallel: an MoE model's experts split whole over those ranks (each
     # its range of experts) instead of each expert by intermediate features; attention stays
     # tensor-parallel.
-    enable_expert_parallel: bool = False
+    enable_expert_parallel: bool = keyed(False)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -270,6 +285,11 @@ class RuntimeConfig:
             num_speculative_tokens=0,
             verify_batch_buckets=(),
         )
+
+    @staticmethod
+    def keyed_fields() -> tuple[str, ...]:
+        """The fields marked `keyed`: what every compiled program's cache key holds."""
+        return tuple(f.name for f in dataclasses.fields(RuntimeConfig) if f.metadata[KEYS_PROGRAMS])
 
     def shape_fields(self) -> dict[str, Any]:
         """The fields that change compiled programs (not the backend's cache or the pool size)."""

@@ -25,7 +25,9 @@ from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.encode_inputs import EncoderSequence, encode_steps, prepare_encode
 from vllm_aot.runtime.profiling import Spans
+from vllm_aot.runtime.program_args import EncodeArgs
 from vllm_aot.runtime.programs import ProgramKey, flatten_weights
+from vllm_aot.runtime.signature import flatten
 from vllm_aot.runtime.step_stats import StepStats
 
 
@@ -43,7 +45,7 @@ class EncoderModel:
         self.weights = weights
         self.programs = dict(programs)
         self.family = family_of(arch)
-        self._layer_args = [flatten_weights(w) for w in weights.layers]
+        self._layer_weights = [flatten_weights(w) for w in weights.layers]
         self.num_executions: dict[ProgramKey, int] = dict.fromkeys(self.programs, 0)
         self.step_stats = StepStats()
         self.program_seconds: dict[str, float] = {"layers": 0.0, "head": 0.0}  # no head
@@ -77,8 +79,9 @@ class EncoderModel:
                 inputs.token_type_ids,
             )
             started = time.perf_counter()
-            for weights in self._layer_args:
-                (hidden,) = program(hidden, inputs.attn_mask, *weights)
+            for weights in self._layer_weights:
+                args = EncodeArgs(hidden=hidden, mask=inputs.attn_mask, weights=weights)
+                (hidden,) = program(*flatten(args))
             self.program_seconds["layers"] += time.perf_counter() - started
         return [
             hidden[start : start + len(s.token_ids)]

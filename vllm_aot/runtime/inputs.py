@@ -296,16 +296,18 @@ def prepare_sampling(
     for i, row in enumerate(rows):
         if row.vocab_mask is not None:
             masks[i] = row.vocab_mask.numpy()
-    return SamplingTensors(  # in its fields' order
-        *_tensors(
-            np.array([p.temperature for p in params] + [1.0] * pad, dtype=np.float32),
-            np.array([p.top_k for p in params] + [1] * pad, dtype=np.int64),
-            np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32),
-            np.array([p.min_p for p in params] + [0.0] * pad, dtype=np.float32),
-            np.array([r.seed % (1 << 63) for r in rows] + [0] * pad, dtype=np.int64),
-            np.array([r.position for r in rows] + [0] * pad, dtype=np.int64),
-            masks,
-        )
+
+    def padded(values: list, pad_value: float, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.array(values + [pad_value] * pad, dtype=dtype))
+
+    return SamplingTensors(
+        temperature=padded([p.temperature for p in params], 1.0, np.float32),
+        top_k=padded([p.top_k for p in params], 1, np.int64),
+        top_p=padded([p.top_p for p in params], 1.0, np.float32),
+        min_p=padded([p.min_p for p in params], 0.0, np.float32),
+        seeds=padded([r.seed % (1 << 63) for r in rows], 0, np.int64),
+        positions=padded([r.position for r in rows], 0, np.int64),
+        vocab_mask=torch.from_numpy(masks),
     )
 
 

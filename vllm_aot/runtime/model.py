@@ -34,6 +34,7 @@ from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.buckets import fitting_bucket
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import (
+    DecodeInputs,
     DecodeRow,
     GivenEmbeds,
     PrefillChunk,
@@ -48,10 +49,20 @@ from vllm_aot.runtime.inputs import (
 )
 from vllm_aot.runtime.kv_cache import KVCache
 from vllm_aot.runtime.profiling import Spans
+from vllm_aot.runtime.program_args import HeadArgs, LayerArgs, LayerStep, VerifyHeadArgs
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, flatten_weights
-from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, all_greedy, token_mask
+from vllm_aot.runtime.sampler import (
+    GREEDY,
+    SamplerOutput,
+    SamplingTensors,
+    all_greedy,
+    token_mask,
+)
+from vllm_aot.runtime.signature import flat_call, flatten
 from vllm_aot.runtime.step_stats import StepStats
 from vllm_aot.runtime.verify import DraftTensors
+
+_LAYER_CALL = flat_call(LayerArgs)
 
 
 class Tap(Protocol):
@@ -100,7 +111,7 @@ class CompiledModel:
             dtype=config.kv_torch_dtype,
             scales=weights.kv_scales,
         )
-        self._layer_args = [flatten_weights(w) for w in weights.layers]
+        self._layer_weights = [flatten_weights(w) for w in weights.layers]
         # cos and sin of every position a step may hold (a verify row's padded drafts run up
         # to k past the last one), computed once: two lookups a step instead of seven ops.
         positions = torch.arange(config.max_model_len + config.num_speculative_tokens + 1)
@@ -144,13 +155,13 @@ class CompiledModel:
         key: ProgramKey,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        context: tuple[torch.Tensor, torch.Tensor],
+        step: LayerStep,
         num_real: int,
         given: GivenEmbeds | None = None,
     ) -> torch.Tensor:
         """Embed (or take the `given` embeddings), run every layer through the one program for
         this bucket; [tokens, hidden].
+        `step` is what every layer reads alike.
 
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
@@ -164,13 +175,23 @@ class CompiledModel:
                 hidden = tap(name="model.embed_tokens", tensor=hidden, positions=real_positions)
             cos, sin = self._cos[positions], self._sin[positions]
             started = time.perf_counter()
-            for layer, weights in enumerate(self._layer_args):
+            for layer, weights in enumerate(self._layer_weights):
                 cache = self.kv.layer(layer)
-                args = (hidden, cos, sin, *cache, *context, slot_mapping, *weights)
+                args = _LAYER_CALL(
+                    hidden=hidden,
+                    cos=cos,
+                    sin=sin,
+                    k_pool=cache.k,
+                    v_pool=cache.v,
+                    k_scale=cache.k_scale,
+                    v_scale=cache.v_scale,
+                    step=step,
+                    weights=weights,
+                )
                 hidden, k_new, v_new = program(*args)  # its K/V written into `cache`
                 if tap is not None:
                     hidden = self._tap_layer(
-                        tap, layer, hidden, (k_new, v_new), slot_mapping, real_positions
+                        tap, layer, hidden, (k_new, v_new), step.slots, real_positions
                     )
             self.program_seconds["layers"] += time.perf_counter() - started
         return hidden
@@ -195,11 +216,10 @@ class CompiledModel:
         kind = ProgramKind.GREEDY if all_greedy(r.params for r in sampling) else ProgramKind.SAMPLE
         with self.spans("prepare_sampling"):
             tensors = prepare_sampling(sampling, num_rows, self.arch.vocab_size)
-        w = self.weights
-        head = (hidden, w.final_norm, *w.lm_head.tensors)
+        args = self._head_args(hidden, tensors)
         program = self._program(ProgramKey(kind, num_rows))
         started = time.perf_counter()
-        out = program(*head, *tensors)
+        out = program(*flatten(args))
         self.program_seconds["head"] += time.perf_counter() - started
         return SamplerOutput(*(t[: len(sampling)] for t in out))
 
@@ -218,15 +238,13 @@ class CompiledModel:
             num_context_tokens=sum(c.num_cached for c in chunks),
             context_bucket=key.context_tokens,
         )
-        context = (inputs.context_block_ids, inputs.attn_mask)
+        step = LayerStep(
+            context_blocks=inputs.context_block_ids,
+            context_mask=inputs.attn_mask,
+            slots=inputs.slot_mapping,
+        )
         hidden = self._run_layers(
-            key,
-            inputs.token_ids,
-            inputs.positions,
-            inputs.slot_mapping,
-            context,
-            num_real,
-            inputs.given_embeds,
+            key, inputs.token_ids, inputs.positions, step, num_real, inputs.given_embeds
         )
         return hidden, inputs
 
@@ -264,13 +282,11 @@ class CompiledModel:
             num_context_tokens=sum(r.position for r in rows),
             context_bucket=key.size * key.context_tokens,
         )
-        context = (inputs.block_tables, inputs.context_mask)
         return self._run_layers(
             key,
             inputs.token_ids,
             inputs.positions,
-            inputs.slot_mapping,
-            context,
+            _step(inputs),
             len(rows),
         )
 
@@ -289,11 +305,8 @@ class CompiledModel:
             num_context_tokens=sum(r.position for r in rows),
             context_bucket=key.size * key.context_tokens,
         )
-        context = (inputs.block_tables, inputs.context_mask)
         num_real = key.size * key.num_positions  # real rows' padded positions included
-        hidden = self._run_layers(
-            key, inputs.token_ids, inputs.positions, inputs.slot_mapping, context, num_real
-        )
+        hidden = self._run_layers(key, inputs.token_ids, inputs.positions, _step(inputs), num_real)
         return hidden, inputs
 
     def sample_verify(
@@ -307,13 +320,20 @@ class CompiledModel:
         kind = ProgramKind.VERIFY_GREEDY if is_greedy else ProgramKind.VERIFY_SAMPLE
         with self.spans("prepare_sampling"):
             tensors = prepare_sampling(sampling, key.size, self.arch.vocab_size)
-        drafts = DraftTensors(inputs.draft_ids, inputs.num_drafts)
-        w = self.weights
-        head = (hidden, w.final_norm, *w.lm_head.tensors)
-        *out, num_accepted = self._program(ProgramKey(kind, key.size, 0, key.num_drafts))(
-            *head, *tensors, *drafts
-        )
+        drafts = DraftTensors(token_ids=inputs.draft_ids, num_drafts=inputs.num_drafts)
+        args = VerifyHeadArgs(head=self._head_args(hidden, tensors), drafts=drafts)
+        program = self._program(ProgramKey(kind, key.size, 0, key.num_drafts))
+        *out, num_accepted = program(*flatten(args))
         return SamplerOutput(*out), num_accepted[: len(sampling)]
+
+    def _head_args(self, hidden: torch.Tensor, sampling: SamplingTensors) -> HeadArgs:
+        w = self.weights
+        return HeadArgs(
+            hidden=hidden,
+            final_norm=w.final_norm,
+            lm_head=tuple(w.lm_head.tensors),
+            sampling=sampling,
+        )
 
     def prefill(
         self, chunks: Sequence[PrefillChunk], sampling: Sequence[RowSampling]
@@ -359,3 +379,12 @@ class CompiledModel:
         """
         hidden = self.forward_prefill([chunk]).tokens
         return self.head_rows(hidden, [RowSampling(GREEDY, 0, 0)] * hidden.shape[0]).logits
+
+
+def _step(inputs: DecodeInputs | VerifyInputs) -> LayerStep:
+    """What every layer of a decode or verify step reads alike."""
+    return LayerStep(
+        context_blocks=inputs.block_tables,
+        context_mask=inputs.context_mask,
+        slots=inputs.slot_mapping,
+    )

@@ -3,8 +3,9 @@
 its default and whether it keys compiled programs.
 
 A default is `RuntimeConfig`'s, declared there once; an engine option (`AotOptions` in the
-plugin) has none here: not given, the engine decides. Whether an option keys programs is
-whether it is one of `RuntimeConfig.shape_fields()`. The plugin resolves the options from
+plugin) has none here: not given, the engine decides. Whether an option keys every program is
+its field's mark in `RuntimeConfig` (`keyed`); whether it picks programs (which exist, or their
+keys) is whether it is one of `RuntimeConfig.shape_fields()`. The plugin resolves the options from
 vLLM's configuration (`plugin/options.py`), the `vllm-aot` commands build their flags from this
 table (`cli/args.py`), `vllm-aot serve` reads vLLM's flags through vLLM's own parser, and the
 compile cache's registry selects on the options a command line can pin (`SELECTABLE`).
@@ -19,6 +20,7 @@ from typing import Any
 from vllm_aot.runtime.config import (
     BACKENDS,
     DTYPES,
+    KEYS_PROGRAMS,
     KV_CACHE_ALIASES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
@@ -26,7 +28,7 @@ from vllm_aot.runtime.config import (
 )
 
 _RUNTIME_FIELDS = {f.name: f for f in dataclasses.fields(RuntimeConfig)}
-_KEYING_FIELDS = frozenset(RuntimeConfig().shape_fields())
+_SHAPE_FIELDS = frozenset(RuntimeConfig().shape_fields())
 # The key of --speculative-config that sets `num_speculative_tokens` (vLLM's flag is a JSON dict).
 SPECULATIVE_FLAG = "--speculative-config"
 
@@ -56,8 +58,15 @@ class Option:
 
     @property
     def keys_programs(self) -> bool:
-        """Whether its value is part of every compiled program's cache key."""
-        return self.name in _KEYING_FIELDS
+        """Whether its value is part of every compiled program's cache key (its field is
+        marked `keyed` in `RuntimeConfig`)."""
+        return self.is_runtime and _RUNTIME_FIELDS[self.name].metadata[KEYS_PROGRAMS]
+
+    @property
+    def picks_programs(self) -> bool:
+        """Whether it changes which programs a configuration compiles, or their keys (one of
+        `RuntimeConfig.shape_fields()`): a compiled configuration is selected by it."""
+        return self.name in _SHAPE_FIELDS
 
     @property
     def engine_arg(self) -> str | None:
@@ -125,4 +134,4 @@ assert set(_RUNTIME_FIELDS) <= set(BY_NAME), "every RuntimeConfig field is an op
 ENGINE_OPTIONS = tuple(o.name for o in OPTIONS if not o.is_runtime)
 VLLM_OPTIONS = tuple(o for o in OPTIONS if o.vllm_flag is not None)
 # What a command line can pin when `vllm-aot serve` picks a compiled configuration.
-SELECTABLE = tuple(o.name for o in VLLM_OPTIONS if o.keys_programs)
+SELECTABLE = tuple(o.name for o in VLLM_OPTIONS if o.picks_programs)

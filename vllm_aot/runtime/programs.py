@@ -12,8 +12,9 @@
 - `verify_greedy_r{rows}_k{k}` / `verify_sample_r{rows}_k{k}`: the head over those positions, with
   the acceptance step (`runtime/verify.py`).
 
-Each program states its example inputs here, once; `backends.py` turns a program into something
-callable (eagerly, or compiled ahead of time by Inductor).
+Each kind's inputs are one record (`program_args.py`): the modules here rebuild it from their flat
+call, and its example inputs and dynamic shapes follow from it; `backends.py` turns a program
+into something callable (eagerly, or compiled ahead of time by Inductor).
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ from vllm_aot.models.linear import LM_HEAD, vocab_rows_per_rank
 from vllm_aot.models.registry import family_of
 from vllm_aot.models.weights import LayerWeights
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.sampler import SamplingTensors, mask_words, sample_rows
-from vllm_aot.runtime.verify import DraftTensors, accept_drafts
+from vllm_aot.runtime.program_args import EncodeArgs, HeadArgs, LayerArgs, VerifyHeadArgs
+from vllm_aot.runtime.sampler import mask_words, sample_rows
+from vllm_aot.runtime.signature import Sizes, example, flatten, unflatten
+from vllm_aot.runtime.signature import dynamic_shapes as record_dynamic_shapes
+from vllm_aot.runtime.verify import accept_drafts
 
 
 class ProgramKind(StrEnum):
@@ -151,14 +155,7 @@ def flatten_weights(weights: LayerWeights) -> tuple[torch.Tensor, ...]:
 
 class Layer(nn.Module):
     """One decoder layer, the family's maths; prefill and decode differ only in how attention
-    reads the cache.
-
-    forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, slots, *weights)
-    -> (hidden, k_new, v_new), where the pools are in the KV cache dtype and the scales float32
-    scalars (`models.layers.PagedKV`: inputs, since one program serves every layer),
-    (ctx_a, ctx_b) is (context_block_ids, attn_mask) for prefill and (block_tables,
-    context_mask) for decode and verify, `slots` [tokens] where each token's K/V go in the
-    layer's pools, and `weights` follow `LayerSpec.tensor_names`.
+    reads the cache. forward(*`LayerArgs`) -> (hidden, k_new, v_new).
 
     The layer writes its new K/V into its pools in place (`write_kv`) before attending:
     attention reads them from `k_new`/`v_new` all the same (the cached part's masks stop short
@@ -183,21 +180,20 @@ class Layer(nn.Module):
             else decode_attention_fn(attention_impl(), verify=verify)
         )
 
-    def forward(
-        self, hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, slots, *weights
-    ):
-        tensors = dict(zip(self.tensor_names, weights, strict=True))
+    def forward(self, *flat: torch.Tensor):
+        x: LayerArgs = unflatten(LayerArgs, flat)
+        tensors = dict(zip(self.tensor_names, x.weights, strict=True))
         params = LayerParams(
             self.arch, self.spec, self.kernels, tensors, self.reduce, experts_kernel=self.experts
         )
-        cache = PagedKV(k_pool, v_pool, k_scale, v_scale)
+        cache = PagedKV(x.k_pool, x.v_pool, x.k_scale, x.v_scale)
 
         def attend(q, k, v):
-            write_kv(cache, slots, k, v)
-            return self.attention(q, k, v, cache, ctx_a, ctx_b)
+            write_kv(cache, x.step.slots, k, v)
+            return self.attention(q, k, v, cache, x.step.context_blocks, x.step.context_mask)
 
         return self.decoder_layer(
-            hidden, rope=(cos, sin), attend=attend, params=params, observe=self.observe
+            x.hidden, rope=(x.cos, x.sin), attend=attend, params=params, observe=self.observe
         )
 
     def observe(self, name: str, tensor: torch.Tensor) -> None:
@@ -206,10 +202,7 @@ class Layer(nn.Module):
 
 class Encoder(nn.Module):
     """One encoder layer, the family's maths with bidirectional attention and no cache.
-
-    forward(hidden [tokens, hidden], mask [windows, window, window] bool, *weights) -> (hidden,),
-    where `mask` is True where a key of the window is visible (`models.layers.packed_attention`).
-    """
+    forward(*`EncodeArgs`) -> (hidden,)."""
 
     def __init__(self, arch: ModelArch, config: RuntimeConfig) -> None:
         super().__init__()
@@ -221,14 +214,15 @@ class Encoder(nn.Module):
         formats = {linear.format for linear in self.spec.linears()}
         self.kernels = {name: weight_format(name).kernel(cpu) for name in formats}
 
-    def forward(self, hidden, mask, *weights):
-        tensors = dict(zip(self.tensor_names, weights, strict=True))
+    def forward(self, *flat: torch.Tensor):
+        x: EncodeArgs = unflatten(EncodeArgs, flat)
+        tensors = dict(zip(self.tensor_names, x.weights, strict=True))
         params = LayerParams(self.arch, self.spec, self.kernels, tensors)
 
         def attend(q, k, v):
-            return packed_attention(q, k, v, mask)
+            return packed_attention(q, k, v, x.mask)
 
-        out, _, _ = self.layer(hidden, rope=None, attend=attend, params=params, observe=_ignore)
+        out, _, _ = self.layer(x.hidden, rope=None, attend=attend, params=params, observe=_ignore)
         return (out,)  # programs return flat tuples (`backends.CompiledProgram`)
 
 
@@ -237,10 +231,11 @@ def _ignore(name: str, tensor: torch.Tensor) -> None:
 
 
 class Head(nn.Module):
-    """(hidden, final_norm, *lm_head, *SamplingTensors) -> the `SamplerOutput` fields, in order,
-    where `lm_head` is the head's stored tensors in its weight format: on several ranks, the
-    rank's vocabulary rows; every rank's logits are gathered before the sampler, so each rank
-    samples the same tokens (the same seeds over the same logits).
+    """forward(*`HeadArgs`) -> the `SamplerOutput` fields, in order (a verify head's:
+    forward(*`VerifyHeadArgs`) -> those of every position, then num_accepted). On several ranks
+    the head's stored tensors are the rank's vocabulary rows; every rank's logits are gathered
+    before the sampler, so each rank samples the same tokens (the same seeds over the same
+    logits).
 
     The raw float32 logits are among the outputs because the sampler computes them anyway; the
     caller reads them only for rows processed on the host and for validation.
@@ -256,16 +251,15 @@ class Head(nn.Module):
         self.num_logprobs = config.num_logprobs
         self.num_candidates = config.num_sampling_candidates
         fmt = weight_format(config.linear_format(LM_HEAD))
-        self.num_head_tensors = len(fmt.tensor_names)
         self.linear = fmt.kernel(cpu_features()).apply
         self.stats = logprob_stats_kernel(logprobs_impl())  # None: the sampler's own
         self.draw = sample_tokens_kernel(sampling_impl())  # None: the sampler's own
 
-    def forward(self, hidden, final_norm, *rest) -> tuple[torch.Tensor, ...]:
-        lm_head, sampling = rest[: self.num_head_tensors], rest[self.num_head_tensors :]
-        num_fields = len(SamplingTensors._fields)
-        t = SamplingTensors(*sampling[:num_fields])
-        logits = self.linear(rms_norm(hidden, final_norm, self.eps), *lm_head, None)
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = unflatten(VerifyHeadArgs if self.is_verify else HeadArgs, flat)
+        head: HeadArgs = x.head if self.is_verify else x
+        normed = rms_norm(head.hidden, head.final_norm, self.eps)
+        logits = self.linear(normed, *head.lm_head, None)
         if self.world_size > 1:  # each rank's vocabulary range, joined (the padding dropped)
             logits = collectives.all_gather(logits, self.world_size)[:, : self.vocab_size]
         logits = logits.float()
@@ -274,13 +268,12 @@ class Head(nn.Module):
             num_logprobs=self.num_logprobs,
             num_candidates=self.num_candidates,
             stats=self.stats,
+            draw=self.draw,
         )
         if self.is_verify:
-            out, num_accepted = accept_drafts(
-                logits, t, DraftTensors(*sampling[num_fields:]), **settings
-            )
+            out, num_accepted = accept_drafts(logits, head.sampling, x.drafts, **settings)
             return (*out, num_accepted)
-        return tuple(sample_rows(logits, t, draw=self.draw, **settings))
+        return tuple(sample_rows(logits, head.sampling, **settings))
 
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
@@ -292,77 +285,56 @@ def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.
     return Head(arch, config, kind=key.kind)
 
 
-def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> tuple:
-    """Inputs with the program's exact shapes and dtypes (values are irrelevant)."""
-    dt = config.torch_dtype
-    i64 = torch.int64
+def args_type(key: ProgramKey) -> type:
+    """The record of a program's inputs (`program_args.py`)."""
     if key.kind is ProgramKind.ENCODE:
-        window = key.window
-        return (
-            torch.zeros(key.size, arch.hidden_size, dtype=dt),
-            torch.ones(key.size // window, window, window, dtype=torch.bool),
-            *flatten_weights(layer_spec(arch, config).example_tensors(dt)),
-        )
+        return EncodeArgs
     if key.is_layer:
-        n = key.size * key.num_positions  # tokens
-        rows = key.size
-        bs = config.block_size
-        local = config.rank_arch(arch)
-        pool = (2, bs, local.num_kv_heads, local.head_dim)  # dim 0 is dynamic: the pool's size
-        weights = layer_spec(arch, config).example_tensors(dt)
-        ctx_blocks = key.context_tokens // bs
-        if key.kind is ProgramKind.PREFILL:
-            ctx = (
-                torch.zeros(ctx_blocks, dtype=i64),
-                torch.ones(n, key.context_tokens + n, dtype=torch.bool),
-            )
-        else:
-            ctx = (
-                torch.zeros(rows, ctx_blocks, dtype=i64),
-                torch.ones(rows, key.context_tokens, dtype=torch.bool),
-            )
-        return (
-            torch.zeros(n, arch.hidden_size, dtype=dt),
-            torch.ones(n, arch.head_dim, dtype=dt),
-            torch.zeros(n, arch.head_dim, dtype=dt),
-            torch.zeros(pool, dtype=config.kv_torch_dtype),
-            torch.zeros(pool, dtype=config.kv_torch_dtype),
-            torch.ones((), dtype=torch.float32),
-            torch.ones((), dtype=torch.float32),
-            *ctx,
-            torch.zeros(n, dtype=i64),
-            *flatten_weights(weights),
-        )
-    rows = key.size
-    lm_head = weight_format(config.linear_format(LM_HEAD))
-    drafts = (
-        (torch.zeros(rows, key.num_drafts, dtype=i64), torch.zeros(rows, dtype=i64))
-        if key.num_drafts
-        else ()
-    )
-    return (
-        torch.zeros(rows * key.num_positions, arch.hidden_size, dtype=dt),
-        torch.ones(arch.hidden_size, dtype=dt),
-        *lm_head.example(
-            vocab_rows_per_rank(arch.vocab_size, config.tensor_parallel_size), arch.hidden_size
-        ),
-        torch.ones(rows),
-        torch.zeros(rows, dtype=i64),
-        torch.ones(rows),
-        torch.zeros(rows),
-        torch.zeros(rows, dtype=i64),
-        torch.zeros(rows, dtype=i64),
-        torch.full((rows, mask_words(arch.vocab_size)), -1, dtype=torch.int32),
-        *drafts,
-    )
+        return LayerArgs
+    return VerifyHeadArgs if key.num_drafts else HeadArgs
+
+
+def example_args(key: ProgramKey, arch: ModelArch, config: RuntimeConfig):
+    """The program's record holding inputs of its exact shapes and dtypes (values are
+    irrelevant)."""
+    return example(args_type(key), _sizes(key, arch, config))
+
+
+def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> tuple:
+    """Inputs with the program's exact shapes and dtypes, flat, as it is called."""
+    return flatten(example_args(key, arch, config))
 
 
 def dynamic_shapes(key: ProgramKey, inputs: tuple):
-    """Only the KV pools' first dimension (number of blocks) varies; all else is static."""
-    if not key.is_layer:
-        return None
-    num_blocks = torch.export.Dim("num_blocks", min=2, max=1 << 24)
-    # forward(hidden, cos, sin, k_pool, v_pool, k_scale, v_scale, ctx_a, ctx_b, slots, *weights)
-    pools = ({0: num_blocks}, {0: num_blocks})
-    fixed = (None, None, None, *pools, None, None, None, None, None)
-    return (*fixed, tuple(None for _ in inputs[len(fixed) :]))
+    """What `torch.export` leaves symbolic in `inputs` (the KV pools' number of blocks)."""
+    return record_dynamic_shapes(args_type(key), len(inputs))
+
+
+def _sizes(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> Sizes:
+    """The dimensions, dtypes and weights `program_args.py`'s names stand for in `key`."""
+    tokens, rows, ctx = key.size * key.num_positions, key.size, key.context_tokens
+    ctx_blocks = ctx // config.block_size
+    is_prefill = key.kind is ProgramKind.PREFILL
+    dims = {
+        "tokens": tokens,
+        "rows": rows,
+        "hidden": arch.hidden_size,
+        "head_dim": arch.head_dim,
+        "block_size": config.block_size,
+        "kv_heads": config.rank_arch(arch).num_kv_heads,
+        "context_blocks": (ctx_blocks,) if is_prefill else (rows, ctx_blocks),
+        "context_mask": (tokens, ctx + tokens) if is_prefill else (rows, ctx),
+        "window": key.window,
+        "windows": key.size // key.window if key.window else 0,
+        "mask_words": mask_words(arch.vocab_size),
+        "drafts": key.num_drafts,
+    }
+    dt = config.torch_dtype
+    vocab_rows = vocab_rows_per_rank(arch.vocab_size, config.tensor_parallel_size)
+    tensors = {
+        "weights": lambda: flatten_weights(layer_spec(arch, config).example_tensors(dt)),
+        "lm_head": lambda: weight_format(config.linear_format(LM_HEAD)).example(
+            vocab_rows, arch.hidden_size
+        ),
+    }
+    return Sizes(dims, {"model": dt, "kv": config.kv_torch_dtype}, tensors)

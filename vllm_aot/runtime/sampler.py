@@ -23,9 +23,11 @@ import hashlib
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import torch
+
+from vllm_aot.runtime.signature import Arg
 
 # (logits [rows, vocab], tokens [rows], n) -> (token logprobs, ranks, top-n logprobs, top-n ids)
 LogprobStats = Callable[
@@ -90,16 +92,21 @@ def draw_seed(name: str | None = None) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
 
 
-class SamplingTensors(NamedTuple):
-    """Per-row sampling inputs of a head program (`rows` = the head bucket)."""
+_F32, _I64 = torch.float32, torch.int64
 
-    temperature: torch.Tensor  # [rows] float32, > 0
-    top_k: torch.Tensor  # [rows] int64, 0 = off, 1 = greedy
-    top_p: torch.Tensor  # [rows] float32
-    min_p: torch.Tensor  # [rows] float32
-    seeds: torch.Tensor  # [rows] int64
-    positions: torch.Tensor  # [rows] int64: position of the token being sampled (RNG counter)
-    vocab_mask: torch.Tensor  # [rows, ceil(vocab / 32)] int32 bitmask, bit set = allowed
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling inputs of a head program (`rows` = the head bucket; `signature.py`)."""
+
+    temperature: Annotated[torch.Tensor, Arg(("rows",), _F32, fill=1)]  # > 0
+    top_k: Annotated[torch.Tensor, Arg(("rows",), _I64)]  # 0 = off, 1 = greedy
+    top_p: Annotated[torch.Tensor, Arg(("rows",), _F32, fill=1)]
+    min_p: Annotated[torch.Tensor, Arg(("rows",), _F32)]
+    seeds: Annotated[torch.Tensor, Arg(("rows",), _I64)]
+    # the position of the token being sampled (the RNG counter)
+    positions: Annotated[torch.Tensor, Arg(("rows",), _I64)]
+    # [rows, ceil(vocab / 32)] bitmask, bit set = allowed
+    vocab_mask: Annotated[torch.Tensor, Arg(("rows", "mask_words"), torch.int32, fill=-1)]
 
 
 class SamplerOutput(NamedTuple):
