@@ -27,7 +27,7 @@ from machine import read_bandwidth_gbs
 from rich.console import Console
 from rich.table import Table
 
-from vllm_aot.loading.artifacts import export_model, is_artifact_dir
+from vllm_aot.loading.export_dir import export_model, is_artifact_dir
 from vllm_aot.loading.startup import load_model
 from vllm_aot.models.prepare import prepare_default_model
 from vllm_aot.runtime.config import QUANTIZATIONS, RuntimeConfig

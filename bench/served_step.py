@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 from runtime_bench import tokens
 
-from vllm_aot.loading.artifacts import export_model, is_artifact_dir
+from vllm_aot.loading.export_dir import export_model, is_artifact_dir
 from vllm_aot.models.prepare import prepare_default_model
 from vllm_aot.placement import available_cores, pin_process, split_front_end
 from vllm_aot.plugin.front_end import front_end_nice

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
-from vllm_aot.accuracy.comparison import (
+from vllm_aot.accuracy.logit_tolerance import (
     DEFAULT_TOLERANCES,
     Tolerance,
     compare_logits,

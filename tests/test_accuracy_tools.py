@@ -18,13 +18,13 @@ import torch
 
 from tests.helpers import tiny_config
 from vllm_aot.accuracy.capture import Capture, capture_hf, capture_ours
-from vllm_aot.accuracy.compare import compare_captures
-from vllm_aot.accuracy.comparison import DEFAULT_TOLERANCES, Tolerance, parse_tolerances
 from vllm_aot.accuracy.kv_analysis import analyse_kv
+from vllm_aot.accuracy.logit_tolerance import DEFAULT_TOLERANCES, Tolerance, parse_tolerances
 from vllm_aot.accuracy.logits import validate
 from vllm_aot.accuracy.prompts import chat_prompt_token_ids
 from vllm_aot.accuracy.report import render_html
 from vllm_aot.accuracy.teacher_forcing import HFReference
+from vllm_aot.accuracy.tensor_compare import compare_captures
 from vllm_aot.cli.main import main
 from vllm_aot.loading.startup import load_model
 from vllm_aot.models import layers

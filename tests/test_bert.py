@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_aot.loading.programs import check_fits
+from vllm_aot.loading.program_sources import check_fits
 from vllm_aot.loading.startup import load_model
 from vllm_aot.models.config import load_hf_config
 from vllm_aot.models.embedding_model import embedding_model_dir, prepare_embedding_model

@@ -16,7 +16,7 @@ from tests.helpers import tiny_config
 from vllm_aot.cache.keys import cpu_target
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.kernels import kernels_enabled, program_kernels
-from vllm_aot.loading.artifacts import (
+from vllm_aot.loading.export_dir import (
     MANIFEST_NAME,
     ArtifactMismatchError,
     export_model,

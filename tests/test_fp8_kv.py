@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import run_vllm_aot, tiny_arch, tiny_config
-from vllm_aot.accuracy.comparison import default_tolerances
+from vllm_aot.accuracy.logit_tolerance import default_tolerances
 from vllm_aot.accuracy.logits import validate
 from vllm_aot.accuracy.prompts import chat_prompt_token_ids
 from vllm_aot.accuracy.teacher_forcing import HFReference

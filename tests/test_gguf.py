@@ -125,11 +125,11 @@ def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     """`vllm-aot export --compile-only --quantization gguf` fills the cache for the file's own
     formats, read from the file before the programs are asked for."""
     from vllm_aot.cli.main import main
-    from vllm_aot.loading import programs
+    from vllm_aot.loading import program_sources
 
     asked = []
     monkeypatch.setattr(
-        programs, "ensure_programs", lambda arch, config, *a, **k: asked.append(config)
+        program_sources, "ensure_programs", lambda arch, config, *a, **k: asked.append(config)
     )
     model_dir = gguf_dirs("llama", GgmlType.Q4_1)
     assert main(["export", str(model_dir), "--compile-only", "--quantization", "gguf"]) == 0

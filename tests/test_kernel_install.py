@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from vllm_aot import kernels
-from vllm_aot.cache.artefacts import MANIFEST, artefact_name
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+from vllm_aot.cache.remote_artefacts import MANIFEST, artefact_name
 from vllm_aot.cache.remote_tier import META_SUFFIX
 from vllm_aot.files import file_sha256
 from vllm_aot.loading.prebuilt import sync_artefacts

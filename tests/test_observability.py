@@ -127,7 +127,7 @@ def test_stats_file_writes_the_last_counters_on_close(model, tmp_path):
 
 
 def test_metrics_name_the_configurations_weights_and_kv(tmp_path):
-    from vllm_aot.loading.programs import LoadReport
+    from vllm_aot.loading.program_sources import LoadReport
     from vllm_aot.plugin.metrics import load_stats
     from vllm_aot.runtime.config import RuntimeConfig
 

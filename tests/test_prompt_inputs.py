@@ -18,7 +18,7 @@ from tests.engine_loop import (
     make_vllm_config,
 )
 from tests.helpers import tiny_config
-from vllm_aot.accuracy.comparison import DEFAULT_TOLERANCES
+from vllm_aot.accuracy.logit_tolerance import DEFAULT_TOLERANCES
 from vllm_aot.accuracy.teacher_forcing import HFReference, our_logits
 from vllm_aot.loading.startup import load_model
 from vllm_aot.plugin.runner import AotModelRunner

@@ -61,11 +61,11 @@ def test_exported_directory_fixes_the_shapes_and_refuses_contradictions():
 def test_serving_an_exported_directory_chooses_no_backend(monkeypatch, tmp_path):
     """Its programs are compiled: `--backend` (inductor by default) is not passed on, where
     the plugin would refuse it as a shape option; `--backend eager` is refused by name."""
-    from vllm_aot.loading import artifacts
+    from vllm_aot.loading import export_dir
     from vllm_aot.serve.launch import choose_from_args
 
-    monkeypatch.setattr(artifacts, "is_artifact_dir", lambda path: True)
-    monkeypatch.setattr(artifacts, "read_manifest", lambda path: MANIFEST)
+    monkeypatch.setattr(export_dir, "is_artifact_dir", lambda path: True)
+    monkeypatch.setattr(export_dir, "read_manifest", lambda path: MANIFEST)
     args, passthrough = build_parser().parse_known_args(["serve", str(tmp_path)])
     chosen = choose_from_args(args, passthrough, tmp_path, cores_per_replica=2)
     assert "backend" not in chosen.additional_config

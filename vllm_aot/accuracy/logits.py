@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_aot.accuracy.comparison import (
+from vllm_aot.accuracy.logit_tolerance import (
     LogitComparison,
     Tolerance,
     compare_logits,

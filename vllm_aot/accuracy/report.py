@@ -13,7 +13,7 @@ import html
 import io
 from collections.abc import Sequence
 
-from vllm_aot.accuracy.comparison import LogitComparison, slice_label
+from vllm_aot.accuracy.logit_tolerance import LogitComparison, slice_label
 from vllm_aot.accuracy.logits import ValidationReport
 
 _STYLE = """

@@ -23,11 +23,11 @@ from vllm_aot.runtime import policy
 from vllm_aot.runtime.config import DTYPES, RuntimeConfig
 from vllm_aot.runtime.inputs import PrefillChunk, prefill_key
 from vllm_aot.runtime.kv_cache import BlockAllocator, blocks_needed
+from vllm_aot.runtime.local_scheduler import Scheduler
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import Limits, StepKind
 from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import GREEDY
-from vllm_aot.runtime.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -76,7 +76,7 @@ def run_validate(
     (required equal unless the KV cache is fp8, whose logits have their own tolerances)."""
     from rich.console import Console
 
-    from vllm_aot.accuracy.comparison import default_tolerances, parse_tolerances
+    from vllm_aot.accuracy.logit_tolerance import default_tolerances, parse_tolerances
     from vllm_aot.accuracy.logits import greedy_match, validate
     from vllm_aot.accuracy.quantized import simulation_for
     from vllm_aot.accuracy.teacher_forcing import HFReference
@@ -171,7 +171,7 @@ def run_compare(ours_dir: Path, reference_dir: Path, *, tolerance: float | None 
     from rich.console import Console
 
     from vllm_aot.accuracy.capture import Capture
-    from vllm_aot.accuracy.compare import compare_captures
+    from vllm_aot.accuracy.tensor_compare import compare_captures
 
     try:
         comparison = compare_captures(

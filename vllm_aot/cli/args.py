@@ -143,7 +143,7 @@ def cache_from_args(args: argparse.Namespace):
 def load_from_args(args: argparse.Namespace):
     """(model directory, CompiledModel, LoadReport): an exported directory under its own
     configuration, else the model under the shape flags."""
-    from vllm_aot.loading.artifacts import is_artifact_dir
+    from vllm_aot.loading.export_dir import is_artifact_dir
     from vllm_aot.loading.startup import load_model
 
     model_dir = resolve_model(args.model)

@@ -42,7 +42,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from vllm_aot.loading.artifacts import export_model
+    from vllm_aot.loading.export_dir import export_model
 
     model_dir = resolve_model(args.model, cache_from_args(args))
     config = config_from_args(args)
@@ -63,7 +63,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
     """Fill the compile cache (and the registry) for `config`; load no weights."""
-    from vllm_aot.loading.programs import (
+    from vllm_aot.loading.program_sources import (
         LoadReport,
         ProgramOptions,
         check_fits,

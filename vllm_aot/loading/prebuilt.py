@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from vllm_aot import kernels, paths
-from vllm_aot.cache.artefacts import artefact_name, fetch_tree, has_tree, push_tree
 from vllm_aot.cache.program_cache import ProgramCache
+from vllm_aot.cache.remote_artefacts import artefact_name, fetch_tree, has_tree, push_tree
 from vllm_aot.cache.remote_tier import RemoteTier
 from vllm_aot.files import exclusive_lock
 from vllm_aot.models.prepare import (

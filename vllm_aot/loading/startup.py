@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
-from vllm_aot.loading.artifacts import artifact_program_paths, is_artifact_dir, open_artifact
-from vllm_aot.loading.programs import (
+from vllm_aot.loading.export_dir import artifact_program_paths, is_artifact_dir, open_artifact
+from vllm_aot.loading.program_sources import (
     LoadReport,
     ProgramOptions,
     check_fits,

@@ -57,7 +57,7 @@ from prometheus_client.core import (
 )
 
 from vllm_aot.files import write_json_atomic
-from vllm_aot.loading.programs import LoadReport
+from vllm_aot.loading.program_sources import LoadReport
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.step_stats import LAYER_KINDS

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
+from vllm_aot.loading.export_dir import is_artifact_dir, read_manifest
 from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.placement import available_cores, split_front_end
 from vllm_aot.plugin.engine_flags import GIVEN_KEY, given_in_config

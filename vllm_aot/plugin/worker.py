@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_aot.cache.program_cache import ProgramCache
-from vllm_aot.loading.programs import ProgramOptions
+from vllm_aot.loading.program_sources import ProgramOptions
 from vllm_aot.loading.startup import start
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.experts import rank_share

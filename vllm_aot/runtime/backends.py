@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vllm_aot.kernels import load_used
-from vllm_aot.kernels.runner import program_runner
+from vllm_aot.kernels.program_runner import program_runner
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, build_module

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from vllm_aot.runtime import policy
 from vllm_aot.runtime.kv_cache import BlockAllocator
+from vllm_aot.runtime.local_scheduler import Scheduler
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.policy import Limits, StepKind
 from vllm_aot.runtime.request import RequestState
 from vllm_aot.runtime.sampler import GREEDY, SamplerOutput, SamplingParams, draw_seed
-from vllm_aot.runtime.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ other, never mixed:
 Admission is by worst case, so nothing is ever preempted: fewer than `max_num_seqs` rows run,
 and the KV blocks of every running request's worst case plus the candidate's fit the pool.
 
-Drivers: the runtime's generate loop and teacher forcing (through `runtime/scheduler.py`, which
-owns their queues and KV blocks), and vLLM's scheduler (through `plugin/scheduler.py`, which
-keeps vLLM's waiting queue and grammar readiness). They hand `schedule` their running and
-waiting requests; anything with the `RequestView` attributes will do, vLLM's `Request` and the
-runtime's `RequestState` as they are.
+Drivers: the runtime's generate loop and teacher forcing (through
+`runtime/local_scheduler.py`, which owns their queues and KV blocks), and vLLM's scheduler
+(through `plugin/scheduler.py`, which keeps vLLM's waiting queue and grammar readiness). They
+hand `schedule` their running and waiting requests; anything with the `RequestView` attributes
+will do, vLLM's `Request` and the runtime's `RequestState` as they are.
 """
 
 from __future__ import annotations

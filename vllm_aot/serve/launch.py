@@ -83,7 +83,7 @@ def choose_from_args(
     """The serve flags -> ChosenConfig: the exported dir's manifest, else flags, else the cache
     registry's best match, else defaults."""
     from vllm_aot.cache.program_cache import CacheSettings
-    from vllm_aot.loading.artifacts import is_artifact_dir, read_manifest
+    from vllm_aot.loading.export_dir import is_artifact_dir, read_manifest
     from vllm_aot.serve.selection import pick_from_registry
 
     manifest = read_manifest(model_dir) if is_artifact_dir(model_dir) else None

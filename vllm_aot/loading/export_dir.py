@@ -33,7 +33,7 @@ import vllm_aot
 from vllm_aot.cache.keys import arch_digest, cpu_target
 from vllm_aot.files import staged_path, write_json_atomic
 from vllm_aot.kernels import program_kernels
-from vllm_aot.loading.programs import (
+from vllm_aot.loading.program_sources import (
     LoadReport,
     ProgramOptions,
     check_fits,
