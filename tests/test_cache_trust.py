@@ -25,6 +25,8 @@ from vllm_aot.cache.registry import CompiledConfiguration, select_configuration
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import all_program_keys
 
+pytestmark = pytest.mark.unit
+
 NAMES = sorted(k.name for k in all_program_keys(TINY_CACHE_CONFIG))
 KEY = b"deployment-secret-0123456789abcdef"
 

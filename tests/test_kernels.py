@@ -13,7 +13,7 @@ from vllm_aot.models.layers import PagedKV, decode_attention, verify_attention
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.runtime.sampler import logprob_stats
 
-pytestmark = needs_kernels
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 
 @pytest.fixture(scope="module", autouse=True)

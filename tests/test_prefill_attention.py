@@ -14,7 +14,7 @@ from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import PrefillChunk, prepare_prefill
 from vllm_aot.runtime.kv_cache import blocks_needed
 
-pytestmark = needs_kernels
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 BLOCK = 16
 CONFIG = RuntimeConfig(

@@ -34,7 +34,7 @@ from tests.helpers import needs_kernels
 from vllm_aot import kernels
 from vllm_aot.models.formats import QUANTIZED_KERNELS, WEIGHT_FORMATS
 
-pytestmark = needs_kernels
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = tuple(QUANTIZED_KERNELS)

@@ -11,7 +11,7 @@ from tests.helpers import needs_kernels
 from vllm_aot import kernels
 from vllm_aot.runtime.sampler import SamplingTensors, draw_tokens, mask_words
 
-pytestmark = needs_kernels
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 # (temperature, top_k, top_p, min_p) per row: plain, each truncation alone, all at once, greedy.
 ROW_PARAMS = [
