@@ -65,10 +65,17 @@ def processes_matching(predicate: Callable[[list[str]], bool]) -> list[psutil.Pr
 
 
 def server_on_port(port: int) -> psutil.Process:
-    """The (first, by pid) process started with `port` among its arguments: a server's."""
+    """The process started with `port` among its arguments (a server's); of a tree of such
+    processes (a server and the engine it forked), its root."""
     found = processes_matching(lambda argv: str(port) in argv)
-    assert found, f"no process has {port} among its arguments"
-    return found[0]
+    pids = {p.pid for p in found}
+    for process in found:
+        try:
+            if process.ppid() not in pids:
+                return process
+        except PROCESS_UNREADABLE:
+            continue
+    raise AssertionError(f"no process has {port} among its arguments")
 
 
 def is_gone(process: psutil.Process | int) -> bool:
