@@ -85,6 +85,7 @@ def test_key_is_the_same_for_other_directories_users_and_hosts(tmp_path):
     assert keys[0] == keys[1] and len(set(keys[0])) == len(NAMES)
 
 
+@pytest.mark.unit
 def test_keys_change_with_what_changes_the_program():
     from vllm_aot.cache.keys import program_cache_key
 
@@ -98,6 +99,7 @@ def test_keys_change_with_what_changes_the_program():
     assert program_cache_key(renamed, TINY_CACHE_CONFIG, key) == base
 
 
+@pytest.mark.unit
 def test_an_encode_program_is_keyed_by_its_attention_window():
     """encode_t512 in windows of 64 and of 256 take masks of other shapes: one must never be
     served for the other. Windows run from 64 to the smallest power of two holding
@@ -151,6 +153,7 @@ def test_a_killed_compiler_leaves_nothing_loadable_and_no_blocking_lock(tmp_path
     assert not any(lock.held for lock in status(cache).locks)
 
 
+@pytest.mark.unit
 def test_a_corrupted_entry_is_detected_and_rebuilt(tmp_path):
     cache, log = make_cache(tmp_path / "cache"), tmp_path / "compiled.log"
     first = fill(cache, log)
@@ -161,6 +164,7 @@ def test_a_corrupted_entry_is_detected_and_rebuilt(tmp_path):
     assert len(again.names("local")) == len(NAMES) - 1
 
 
+@pytest.mark.unit
 def test_a_failed_compile_is_recorded_and_retried(tmp_path):
     cache, log = make_cache(tmp_path / "cache"), tmp_path / "compiled.log"
 
@@ -176,6 +180,7 @@ def test_a_failed_compile_is_recorded_and_retried(tmp_path):
     assert status(cache).failed == []
 
 
+@pytest.mark.unit
 def test_waiting_for_a_held_lock_times_out_naming_the_holder(tmp_path):
     cache = make_cache(tmp_path / "cache", lock_timeout=1)
     from vllm_aot.cache.keys import program_cache_key
@@ -191,6 +196,7 @@ def test_waiting_for_a_held_lock_times_out_naming_the_holder(tmp_path):
     assert len(cache.local.entry_keys()) == len(NAMES) - 1  # the others were built meanwhile
 
 
+@pytest.mark.unit
 def test_require_cached_refuses_naming_the_cached_configurations(tmp_path):
     cache = make_cache(tmp_path / "cache")
     fill(cache, tmp_path / "compiled.log")
@@ -228,6 +234,7 @@ def builder_arch_digest() -> str:
     return arch_digest(tiny_arch())
 
 
+@pytest.mark.unit
 def test_remote_directory_store(tmp_path):
     remote_round_trip(tmp_path, f"file://{tmp_path / 'shared'}")
 
@@ -259,6 +266,7 @@ def test_remote_s3_store(tmp_path, s3_server):
     remote_round_trip(tmp_path, s3_server)
 
 
+@pytest.mark.unit
 def test_sync_pushes_and_pulls(tmp_path):
     url = f"file://{tmp_path / 'shared'}"
     builder = make_cache(tmp_path / "builder", remote_url=url)
@@ -270,6 +278,7 @@ def test_sync_pushes_and_pulls(tmp_path):
     assert len(fresh.registry.local_entries()) == 1
 
 
+@pytest.mark.unit
 def test_cleanup_removes_failures_stale_locks_and_other_versions(tmp_path):
     cache, log = make_cache(tmp_path / "cache"), tmp_path / "compiled.log"
     fill(cache, log)
@@ -312,6 +321,7 @@ def _entry(tp=1, batch=8, length=2048, dtype="bfloat16", torch_version=None, cre
     )
 
 
+@pytest.mark.unit
 def test_selection_prefers_tp_then_batch_then_length_among_exact_matches():
     entries = [
         _entry(batch=32, length=1024),
@@ -330,6 +340,7 @@ def test_selection_prefers_tp_then_batch_then_length_among_exact_matches():
     assert best is None and "none of 5 cached configurations" in why
 
 
+@pytest.mark.unit
 def test_records_of_programs_from_other_code_are_not_served():
     """A record written by other program-generating code (or before records named it) names
     programs this code never loads: selection passes over it and says why in the lookup."""
@@ -343,6 +354,7 @@ def test_records_of_programs_from_other_code_are_not_served():
     assert "(not loadable here)" in describe_rows([stale])[1][-2]
 
 
+@pytest.mark.unit
 def test_records_of_the_same_shapes_from_two_codes_live_side_by_side(tmp_path, monkeypatch):
     """The same shapes compiled by other program-generating code and by this code: two records,
     so neither code's programs stop being found when the other one starts."""
@@ -359,6 +371,7 @@ def test_records_of_the_same_shapes_from_two_codes_live_side_by_side(tmp_path, m
     assert len(cache.registry.local_entries()) == 2
 
 
+@pytest.mark.unit
 def test_selection_takes_the_newest_of_equal_shapes():
     """Equal TP, batch and length differ in their buckets: the one compiled last is served."""
     older, newer = _entry(batch=32, created=1.0), _entry(batch=32, created=2.0)
