@@ -1,16 +1,91 @@
-"""Small helpers shared by tests."""
+"""Small helpers shared by tests: the kernels' skip marker, waits on conditions, processes
+found without tripping over the machine's other ones, tiny configurations."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
 
+import psutil
+import pytest
 import torch
 
+from vllm_aot.kernels import kernels_enabled
 from vllm_aot.models.layers import PagedKV, quantize_kv
 from vllm_aot.runtime.config import RuntimeConfig
+
+T = TypeVar("T")
+
+# Tests of our C++ kernels: they build (and run) on x86-64 with AVX2 and FMA only.
+needs_kernels = pytest.mark.skipif(
+    not kernels_enabled(), reason="kernels not built here: they need x86-64 with AVX2 and FMA"
+)
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll `predicate()` until it returns something true, and return that; fail naming `what`
+    after `timeout` s. Deadlines here are generous: they catch a hang, not a slow machine."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(interval)
+    return value
+
+
+# What reading another process may raise: it exited, it is a zombie, it is not ours to read.
+PROCESS_UNREADABLE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
+
+
+def cmdline_of(process: psutil.Process) -> list[str]:
+    """`process`'s arguments; [] where it exited, is a zombie or may not be read."""
+    try:
+        return process.cmdline()
+    except PROCESS_UNREADABLE:
+        return []
+
+
+def children_of(pid: int, recursive: bool = True) -> list[psutil.Process]:
+    """The processes under `pid` (all generations unless `recursive` is False); [] once it is
+    gone."""
+    try:
+        return psutil.Process(pid).children(recursive=recursive)
+    except PROCESS_UNREADABLE:
+        return []
+
+
+def processes_matching(predicate: Callable[[list[str]], bool]) -> list[psutil.Process]:
+    """Every process of the machine whose arguments satisfy `predicate`, by pid; processes that
+    exit, are zombies or may not be read while we look are skipped."""
+    return [p for p in psutil.process_iter() if predicate(cmdline_of(p))]
+
+
+def server_on_port(port: int) -> psutil.Process:
+    """The process started with `port` among its arguments (a server's); of a tree of such
+    processes (a server and the engine it forked), its root."""
+    found = processes_matching(lambda argv: str(port) in argv)
+    pids = {p.pid for p in found}
+    for process in found:
+        try:
+            if process.ppid() not in pids:
+                return process
+        except PROCESS_UNREADABLE:
+            continue
+    raise AssertionError(f"no process has {port} among its arguments")
+
+
+def is_gone(process: psutil.Process | int) -> bool:
+    """Whether `process` (or the process of that pid) exited; a zombie counts, as it runs
+    nothing."""
+    try:
+        process = psutil.Process(process) if isinstance(process, int) else process
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def run_vllm_aot(

@@ -14,6 +14,8 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm_aot.plugin.bookkeeping import RequestRunner
 from vllm_aot.plugin.faults import RequestError
 
+pytestmark = pytest.mark.unit
+
 
 @dataclass
 class Entry:

@@ -9,6 +9,8 @@ from vllm_aot.runtime.buckets import bucket_split, pick_bucket, powers_of_two
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import all_program_keys
 
+pytestmark = pytest.mark.unit
+
 
 def test_pick_bucket_takes_the_smallest_that_fits():
     assert pick_bucket((1, 2, 4, 8), 3) == 4

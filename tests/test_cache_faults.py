@@ -16,6 +16,8 @@ from vllm_aot.cache.program_cache import CacheDiskFullError, CacheSettings, Prog
 from vllm_aot.cache.remote import DirectoryStore, entry_object
 from vllm_aot.runtime.programs import all_program_keys
 
+pytestmark = pytest.mark.unit
+
 NAMES = sorted(k.name for k in all_program_keys(TINY_CACHE_CONFIG))
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import tiny_config
+from tests.helpers import needs_kernels, tiny_config
 from vllm_aot.cache.keys import cpu_target
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
-from vllm_aot.kernels import kernels_enabled, program_kernels
+from vllm_aot.kernels import program_kernels
 from vllm_aot.loading.export_dir import (
     MANIFEST_NAME,
     ArtifactMismatchError,
@@ -205,7 +205,7 @@ def test_a_killed_process_leaves_nothing_of_its_programs_in_the_temporary_direct
     assert not list(scratch.iterdir())
 
 
-@pytest.mark.skipif(not kernels_enabled(), reason="torch's binding of the runner holds the GIL")
+@needs_kernels  # without them a program runs under torch's binding, which holds the GIL
 def test_other_python_threads_run_while_a_program_runs(exported):
     """A server's engine schedules and streams on one Python thread while its step thread runs
     the programs: a program call must let the GIL go (torch's own binding of the runner holds

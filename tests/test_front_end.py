@@ -9,6 +9,8 @@ import pytest
 
 from vllm_aot.plugin.front_end import IDLE, front_end_nice
 
+pytestmark = pytest.mark.unit
+
 
 def test_front_end_nice_reads_0_to_19_or_idle_and_names_the_range_otherwise():
     assert front_end_nice({}) == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import needs_kernels
 from vllm_aot import kernels
 from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
 from vllm_aot.cache.remote_artefacts import MANIFEST, artefact_name
@@ -24,7 +25,7 @@ from vllm_aot.loading.prebuilt import sync_artefacts
 
 TIER_LOGGER = "vllm_aot.cache.remote_tier"
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+pytestmark = needs_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD = "from vllm_aot import kernels; print(kernels.load())"

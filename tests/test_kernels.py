@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import attention_inputs
+from tests.helpers import attention_inputs, needs_kernels
 from vllm_aot import kernels
 from vllm_aot.models.formats import ATEN, LINEAR_BF16, WEIGHT_FORMATS
 from vllm_aot.models.layers import PagedKV, decode_attention, verify_attention
 from vllm_aot.models.linear import CpuFeatures
 from vllm_aot.runtime.sampler import logprob_stats
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -28,6 +28,8 @@ from vllm_aot.models.linear import (
     shard_weight,
 )
 
+pytestmark = pytest.mark.unit
+
 AVX2_ONLY = CpuFeatures(can_use_kernels=True, has_native_bf16=False)
 NATIVE_BF16 = CpuFeatures(can_use_kernels=True, has_native_bf16=True)
 KERNELS_OFF = CpuFeatures(can_use_kernels=False, has_native_bf16=False)

@@ -36,6 +36,8 @@ from vllm_aot.models.tiny import make_tiny_model
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.inputs import PrefillChunk
 
+pytestmark = pytest.mark.unit
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 NUM_TOKENS = 21
 # fp32 through the same operations in a different order: differences are float32 rounding.

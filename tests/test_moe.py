@@ -20,7 +20,7 @@ import transformers
 from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from tests.helpers import tiny_config
+from tests.helpers import needs_kernels, tiny_config
 from tests.test_models import (  # the decoder layer's test, run here on the MoE families
     TIGHT,
     OurLayer,
@@ -41,7 +41,6 @@ from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
-needs_kernels = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need AVX2")
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -78,11 +77,9 @@ def test_routing_matches_hf_routers(router, renormalize):
     assert torch.allclose(ours.weights.sum(-1), torch.ones(50)) == renormalize
 
 
-@pytest.mark.parametrize("kernel", ["reference", "ours"])
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("ours", marks=needs_kernels)])
 @torch.no_grad()
 def test_moe_block_matches_hf(layer, kernel):
-    if kernel == "ours" and not kernels.kernels_enabled():
-        pytest.skip("kernels need AVX2")
     experts = kernels.experts_kernel(kernels.MOE_EXPERTS) if kernel == "ours" else None
     params = LayerParams(
         layer.arch, layer.params.spec, layer.params.kernels, layer.params.tensors,
@@ -208,13 +205,11 @@ def run_ranks(layer: OurLayer, ranks: list[Rank], x: torch.Tensor, kernel) -> li
 
 
 @pytest.mark.parametrize("is_expert_parallel", [True, False], ids=["ep2", "tp2"])
-@pytest.mark.parametrize("kernel", ["reference", "ours"])
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("ours", marks=needs_kernels)])
 @torch.no_grad()
 def test_two_ranks_decoder_layer_equals_one_rank(layer, is_expert_parallel, kernel):
     """Attention split by heads and experts by expert (EP) or by intermediate features (TP):
     each rank's hidden output is the one-rank layer's, its K/V that layer's heads."""
-    if kernel == "ours" and not kernels.kernels_enabled():
-        pytest.skip("kernels need AVX2")
     experts = kernels.experts_kernel(kernels.MOE_EXPERTS) if kernel == "ours" else None
     x = hidden_states(layer.arch, seed=7)
     whole, k, v = layer.forward(x, {})

@@ -16,6 +16,8 @@ from vllm_aot.runtime.inputs import DecodeRow, PrefillChunk, RowSampling
 from vllm_aot.runtime.kv_cache import BlockAllocator
 from vllm_aot.runtime.sampler import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(temperature=0).normalized()
 
 

@@ -24,6 +24,8 @@ from vllm_aot.placement import (
     thread_env,
 )
 
+pytestmark = pytest.mark.unit
+
 FLAT = Topology()  # every CPU a core of its own
 # Two sockets of four cores, two hyperthreads each: CPU c and c + 8 are siblings, 0-3 and 8-11
 # on socket 0, 4-7 and 12-15 on socket 1.

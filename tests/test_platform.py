@@ -14,6 +14,8 @@ from vllm_aot.plugin.parallel import machine_id, shm_ident, watch_rank0
 from vllm_aot.plugin.platform import AotPlatform
 from vllm_aot.plugin.ray_ranks import RAY_RESOURCE, SETUP_HOOK, with_setup_hook
 
+pytestmark = pytest.mark.unit
+
 
 def engine_config(model_dir, **flags):
     """The VllmConfig `vllm serve --model model_dir` builds with these flags (tiny shapes)."""

@@ -30,6 +30,7 @@ def view(req_id="R", prompt=10, max_tokens=4, computed=0, outputs=0) -> View:
     return View(req_id, prompt, max_tokens, computed, outputs)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("prompt", "outputs", "computed", "expected"),
     [
@@ -44,6 +45,7 @@ def test_is_prefilling(prompt, outputs, computed, expected):
     assert policy.is_prefilling(view(prompt=prompt, computed=computed, outputs=outputs)) is expected
 
 
+@pytest.mark.unit
 def test_chunks_cut_a_long_prompt_at_max_num_batched_tokens():
     request = view(prompt=150)
     chunks = []
@@ -54,12 +56,14 @@ def test_chunks_cut_a_long_prompt_at_max_num_batched_tokens():
     assert CHUNK == 64
 
 
+@pytest.mark.unit
 def test_worst_case_blocks_is_prompt_plus_max_tokens_capped_at_max_model_len():
     assert policy.worst_case_blocks(view(prompt=20, max_tokens=100), LIMITS) == 8  # 120 tokens
     assert policy.worst_case_blocks(view(prompt=16, max_tokens=16), LIMITS) == 2
     assert policy.worst_case_blocks(view(prompt=200, max_tokens=500), LIMITS) == 16  # 256 tokens
 
 
+@pytest.mark.unit
 def test_admission_counts_rows_and_every_worst_case():
     running = [view("A", 20, 100), view("B", 20, 140)]  # 8 + 10 of 20 blocks
     assert policy.can_admit(view("C", 20, 12), running, LIMITS)  # 2 more: exactly 20
@@ -68,12 +72,14 @@ def test_admission_counts_rows_and_every_worst_case():
     assert not policy.can_admit(view("E", 1, 1), four, LIMITS)  # max_num_seqs rows run
 
 
+@pytest.mark.unit
 def test_a_prompt_in_flight_runs_alone_before_releases_and_decodes():
     decoding, prompt = view("D", computed=10, outputs=1), view("P", prompt=150, computed=64)
     step = policy.schedule([decoding, prompt], [view("W")], LIMITS)
     assert (step.kind, step.requests) == (StepKind.PREFILL, (prompt,))
 
 
+@pytest.mark.unit
 def test_the_oldest_waiting_request_is_released_alone_or_all_running_decode():
     running = [view("A", 20, 100, computed=20, outputs=1)]
     big, small = view("B", 20, 220), view("C", 10, 2)  # B's 15 blocks do not fit beside A's 8
@@ -85,6 +91,7 @@ def test_the_oldest_waiting_request_is_released_alone_or_all_running_decode():
     assert policy.schedule([], [], LIMITS).requests == ()
 
 
+@pytest.mark.unit
 def test_waiting_requests_start_in_arrival_order_one_per_step():
     trace = simulate_scenario("fifo")
     assert trace[:4] == [
@@ -95,6 +102,7 @@ def test_waiting_requests_start_in_arrival_order_one_per_step():
     ]
 
 
+@pytest.mark.unit
 def test_one_prompt_at_a_time_chunk_by_chunk():
     trace = simulate_scenario("chunked")
     assert trace[:7] == [
@@ -108,6 +116,7 @@ def test_one_prompt_at_a_time_chunk_by_chunk():
     ]
 
 
+@pytest.mark.unit
 def test_the_last_prompt_token_runs_alone_as_a_prefill():
     trace = simulate_scenario("late_prompt")
     assert trace[:4] == [
@@ -118,6 +127,7 @@ def test_the_last_prompt_token_runs_alone_as_a_prefill():
     ]
 
 
+@pytest.mark.unit
 def test_a_request_waits_until_its_worst_case_fits():
     trace = simulate_scenario("worst_case")
     last_a = max(i for i, s in enumerate(trace) if s[0] == "decode" and "A" in s[1])
@@ -127,6 +137,7 @@ def test_a_request_waits_until_its_worst_case_fits():
     assert set(trace[2:c_start]) == {("decode", ("A", "B"))}
 
 
+@pytest.mark.unit
 def test_at_most_max_num_seqs_rows_run():
     trace = simulate_scenario("max_num_seqs")
     assert max(len(s[1]) for s in trace if s[0] == "decode") == 4

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import attention_inputs
+from tests.helpers import attention_inputs, needs_kernels
 from vllm_aot import kernels
 from vllm_aot.models.layers import prefill_attention
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.inputs import PrefillChunk, prepare_prefill
 from vllm_aot.runtime.kv_cache import blocks_needed
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 BLOCK = 16
 CONFIG = RuntimeConfig(

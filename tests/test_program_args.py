@@ -13,6 +13,8 @@ from vllm_aot.runtime.program_args import BLOCKS, LayerArgs
 from vllm_aot.runtime.programs import all_program_keys, dynamic_shapes, example_args
 from vllm_aot.runtime.signature import Arg, Tensors, flat_call, flatten, unflatten
 
+pytestmark = pytest.mark.unit
+
 
 def _keys():
     config = tiny_config(num_speculative_tokens=2)

@@ -30,10 +30,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import needs_kernels
 from vllm_aot import kernels
 from vllm_aot.models.formats import QUANTIZED_KERNELS, WEIGHT_FORMATS
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = tuple(QUANTIZED_KERNELS)

@@ -26,6 +26,8 @@ from vllm_aot.plugin import logits as logits_module
 from vllm_aot.plugin.faults import RequestError, is_per_request
 from vllm_aot.plugin.runner import AotModelRunner
 
+pytestmark = pytest.mark.unit
+
 MAX_TOKENS = 5
 VOCAB_SIZE = 49152  # the tiny model's
 

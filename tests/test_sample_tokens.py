@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import needs_kernels
 from vllm_aot import kernels
 from vllm_aot.runtime.sampler import SamplingTensors, draw_tokens, mask_words
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_enabled(), reason="kernels need x86-64 AVX2")
+pytestmark = [pytest.mark.unit, needs_kernels]
 
 # (temperature, top_k, top_p, min_p) per row: plain, each truncation alone, all at once, greedy.
 ROW_PARAMS = [

@@ -13,6 +13,8 @@ from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.inputs import PrefillChunk, RowSampling, prepare_sampling
 from vllm_aot.runtime.sampler import GREEDY, SamplingParams, all_greedy, sample_rows
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 1000
 NUM_LOGPROBS = 5
 

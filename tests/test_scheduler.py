@@ -29,6 +29,8 @@ from tests.engine_loop import make_block_hasher, make_vllm_config
 from tests.policy_trace import BLOCK_SIZE, SCENARIOS, TraceStep, simulate
 from vllm_aot.plugin.scheduler import AotScheduler, Gathering, batch_of
 
+pytestmark = pytest.mark.unit
+
 SAMPLED = 7  # the token our fake runner always samples (no EOS is set, so never a stop)
 
 

@@ -17,6 +17,8 @@ from vllm_aot.serve.settings import (
     flag_values,
 )
 
+pytestmark = pytest.mark.unit
+
 MANIFEST = {"config": {"max_num_seqs": 8, "max_model_len": 512, "dtype": "float32",
                        "block_size": 16, "max_num_batched_tokens": 128}}  # fmt: skip
 

@@ -16,6 +16,8 @@ from vllm_aot.serve.pool import ReplicaPool
 from vllm_aot.serve.proxy import REPLICA_HEADER, Proxy, ProxyConfig
 from vllm_aot.testing import free_port
 
+pytestmark = pytest.mark.unit
+
 METRICS = """\
 # HELP vllm:num_requests_running Requests running.
 # TYPE vllm:num_requests_running gauge

@@ -7,9 +7,13 @@ import io
 import shutil
 from pathlib import Path
 
+import pytest
+
 import vllm_aot
 from vllm_aot.cache.keys import source_digest
 from vllm_aot.loading.progress import CompileProgress
+
+pytestmark = pytest.mark.unit
 
 GENERATOR = "vllm_aot.runtime.compiler"
 

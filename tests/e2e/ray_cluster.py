@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers import children_of, cmdline_of
 from vllm_aot.testing import free_port
 
 READY_LINE = "block forever"  # what `ray start --block` prints once its node has joined
@@ -46,7 +47,7 @@ class RayCluster:
         """Node `index`'s processes: its `ray start` and all under it (raylet, workers, actors)."""
         with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(self.nodes[index].pid)
-            return [root, *root.children(recursive=True)]
+            return [root, *children_of(root.pid)]
         return []
 
 
@@ -125,8 +126,8 @@ def stop(cluster: RayCluster) -> list[psutil.Process]:
         processes = cluster.processes(index)
         seen += processes
         for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if "start" in process.cmdline() and "--block" in process.cmdline():
+            if "start" in (argv := cmdline_of(process)) and "--block" in argv:
+                with contextlib.suppress(psutil.NoSuchProcess):
                     process.terminate()
         _, alive = psutil.wait_procs(processes, timeout=STOP_TIMEOUT_S)
         for process in alive:

@@ -5,14 +5,14 @@ end's threads run below the step's (plugin/front_end.py)."""
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from tests.e2e.conftest import SERVER_ARGS, SERVER_ENV, SHAPE_ARGS
+from tests.helpers import PROCESS_UNREADABLE, children_of, processes_matching, wait_until
 from vllm_aot.accuracy.prompts import CHAT_PROMPTS
 from vllm_aot.placement import split_front_end
 from vllm_aot.plugin.front_end import IDLE
@@ -68,16 +68,19 @@ def test_a_stop_string_lands_exactly_under_async_scheduling(client, sync_client)
 
 def server_processes(port: int) -> tuple[int, int]:
     """The API server listening on `port` (`vllm_aot.plugin.vllm_serve`) and its engine."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    servers = processes_matching(
+        lambda argv: "vllm_aot.plugin.vllm_serve" in argv and str(port) in argv
+    )
+    assert servers, f"no API server process on port {port}"
+
+    def is_engine(process: psutil.Process) -> bool:
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm_aot.plugin.vllm_serve" in argv and str(port).encode() in argv:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            engines = [c for c in children if Path(f"/proc/{c}/comm").read_text()[:6] == "VLLM::"]
-            return int(pid), int(engines[0])
-    raise AssertionError(f"no API server process on port {port}")
+            return process.name().startswith("VLLM::")
+        except PROCESS_UNREADABLE:
+            return False
+
+    engines = [p for p in children_of(servers[0].pid, recursive=False) if is_engine(p)]
+    return servers[0].pid, engines[0].pid
 
 
 def thread_nice(pid: int) -> dict[int, int]:
@@ -113,18 +116,16 @@ def test_the_front_end_runs_below_the_step_threads_and_on_its_own_core(tiny_mode
     env = {**SERVER_ENV, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     with running_server(command, port=port, env=env, log_path=tmp_path / "log") as url:
         api_server, engine = server_processes(port)
-        deadline = time.monotonic() + 30  # it lowers itself once the engine has forked
-        while set(thread_nice(api_server).values()) != {IDLE} and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert set(thread_nice(api_server).values()) == {IDLE}
+        # It lowers itself once the engine has forked.
+        is_idle = lambda: set(thread_nice(api_server).values()) == {IDLE}
+        wait_until(is_idle, 60, "the API server's threads at SCHED_IDLE", interval=0.2)
         engine_threads = thread_nice(engine)
         assert engine_threads[engine] == IDLE  # the engine's main thread: scheduling, outputs
         assert 0 in engine_threads.values()  # the step thread (and its OpenMP team)
 
         compute, front_end = map(set, split_front_end(cores, env, is_lowered=True))
-        while any(c != front_end for c in thread_cores(api_server).values()):
-            assert time.monotonic() < deadline, thread_cores(api_server)
-            time.sleep(0.2)
+        on_front_end = lambda: all(c == front_end for c in thread_cores(api_server).values())
+        wait_until(on_front_end, 60, f"the API server's threads on cores {front_end}", interval=0.2)
         engine_cores = thread_cores(engine)
         assert engine_cores[engine] == front_end
         steps = [tid for tid, nice in engine_threads.items() if nice == 0]

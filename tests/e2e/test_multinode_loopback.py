@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
 from tests.e2e.test_tensor_parallel_server import MAX_TOKENS, PROMPTS, one_rank_tokens
+from tests.helpers import children_of, cmdline_of, server_on_port
 from vllm_aot.testing import free_port, running_server
 
 EXIT_TIMEOUT_S = 90
@@ -48,7 +49,7 @@ def started_nodes(model_dir, logs: Path):
         with running_server(
             head_command, port=port, env=SERVER_ENV, log_path=logs / "node0.log", timeout=300
         ) as url:
-            head = next(p for p in psutil.process_iter(["cmdline"]) if str(port) in p.cmdline())
+            head = server_on_port(port)
             yield url, head, psutil.Process(follower.pid), logs / "node0.log", logs / "node1.log"
     finally:
         follower.kill()
@@ -82,8 +83,8 @@ def test_a_rank_that_dies_takes_both_nodes_down(two_nodes):
     """The follower's rank dies: its node's executor notices and exits; the head's next
     collective fails, which is fatal on several ranks, and its server exits."""
     url, head, follower, _, follower_log = two_nodes
-    (rank,) = [p for p in follower.children(recursive=True) if "Worker" in " ".join(p.cmdline())]
-    everyone = [head, *head.children(recursive=True), follower, *follower.children(recursive=True)]
+    (rank,) = [p for p in children_of(follower.pid) if "Worker" in " ".join(cmdline_of(p))]
+    everyone = [head, *children_of(head.pid), follower, *children_of(follower.pid)]
     rank.kill()
     with pytest.raises(OSError):  # a request reaches the collectives, or the server is gone
         urllib.request.urlopen(
@@ -104,7 +105,7 @@ def test_the_follower_leaves_when_the_head_stops(tiny_model_dirs, tmp_path):
     """vLLM's follower would wait for the head's next step forever; its rank notices rank 0's
     rendezvous is gone and exits, and the follower's executor shuts the node down."""
     with started_nodes(tiny_model_dirs("llama"), tmp_path) as (_, head, follower, _, log):
-        everyone = [follower, *follower.children(recursive=True)]
+        everyone = [follower, *children_of(follower.pid)]
         head.terminate()
         _, alive = psutil.wait_procs(everyone, timeout=EXIT_TIMEOUT_S)
         assert not alive, f"the follower still runs {EXIT_TIMEOUT_S} s after the head stopped"

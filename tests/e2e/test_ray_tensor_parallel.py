@@ -15,6 +15,7 @@ import pytest
 from tests.e2e.conftest import SERVER_ENV
 from tests.e2e.ray_cluster import local_ray_cluster, stop
 from tests.e2e.test_tensor_parallel_server import one_rank_tokens, served_tokens, tp_command
+from tests.helpers import children_of, cmdline_of, server_on_port
 from vllm_aot.testing import free_port, running_server
 
 pytest.importorskip("ray", reason="ray is not installed (pip install ray, or the dev extra)")
@@ -40,13 +41,13 @@ def ray_server(ray_cluster, tiny_model_dirs, tmp_path_factory):
     # Every rank's lines, not Ray's summary of similar ones.
     env = {**SERVER_ENV, "RAY_ADDRESS": ray_cluster.address, "RAY_DEDUP_LOGS": "0"}
     with running_server(command, port=port, env=env, log_path=log, timeout=400) as url:
-        server = next(p for p in psutil.process_iter(["cmdline"]) if str(port) in p.cmdline())
+        server = server_on_port(port)
         yield url, server, log
 
 
 def _actors(cluster, node: int) -> list[psutil.Process]:
     """The vLLM worker actors Ray runs on `node`."""
-    return [p for p in cluster.processes(node) if "RayWorkerProc" in " ".join(p.cmdline())]
+    return [p for p in cluster.processes(node) if "RayWorkerProc" in " ".join(cmdline_of(p))]
 
 
 def test_a_rank_on_each_ray_node_answers_what_one_rank_computes(
@@ -69,7 +70,7 @@ def test_a_rank_that_dies_takes_the_server_down_naming_it(ray_server, ray_cluste
     (survivor,) = _actors(ray_cluster, 0)
     rank = re.search(RANK_LINE.format(pid=victim.pid), log.read_text(errors="replace"))
     assert rank, f"no rank line of actor {victim.pid}"
-    everyone = [server, *server.children(recursive=True), survivor]
+    everyone = [server, *children_of(server.pid), survivor]
     victim.kill()
     _, alive = psutil.wait_procs(everyone, timeout=EXIT_TIMEOUT_S)
     assert not alive, f"still running {EXIT_TIMEOUT_S} s after a rank died: {alive}"

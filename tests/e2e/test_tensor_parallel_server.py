@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
-from tests.helpers import tiny_config
+from tests.helpers import children_of, cmdline_of, server_on_port, tiny_config
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.inputs import PrefillChunk
@@ -62,7 +62,7 @@ def tp_server(tiny_model_dirs, tmp_path_factory):
     log = tmp_path_factory.mktemp("tp") / "server.log"
     command = tp_command(tiny_model_dirs("llama"), port, 2)
     with running_server(command, port=port, env=SERVER_ENV, log_path=log, timeout=300) as url:
-        server = next(p for p in psutil.process_iter(["cmdline"]) if str(port) in p.cmdline())
+        server = server_on_port(port)
         yield url, server, log
 
 
@@ -107,9 +107,9 @@ def test_sampled_requests_agree_across_ranks(tp_server, tiny_model_dirs):
 def test_a_rank_that_dies_takes_the_server_down_naming_it(tp_server):
     """Last in this module: it ends the server."""
     url, server, log = tp_server
-    workers = [p for p in server.children(recursive=True) if "Worker_TP1" in " ".join(p.cmdline())]
-    assert len(workers) == 1, [p.cmdline() for p in server.children(recursive=True)]
-    everyone = [server, *server.children(recursive=True)]
+    workers = [p for p in children_of(server.pid) if "Worker_TP1" in " ".join(cmdline_of(p))]
+    assert len(workers) == 1, [cmdline_of(p) for p in children_of(server.pid)]
+    everyone = [server, *children_of(server.pid)]
     workers[0].kill()
     _, alive = psutil.wait_procs(everyone, timeout=EXIT_TIMEOUT_S)
     assert not alive, f"still running {EXIT_TIMEOUT_S} s after rank 1 died: {alive}"
