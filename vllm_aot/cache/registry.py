@@ -152,7 +152,7 @@ class Registry:
         for name, payload in self.remote.records(prefix):
             try:
                 found.append(parse_record(payload, self.remote.url))
-            except ValueError as exc:
+            except Exception as exc:  # whatever a remote record provokes skips that record
                 logger.warning(
                     "vllm-aot cache: skipping registry record %s from %s: %s",
                     name,

@@ -6,9 +6,12 @@ Protocol: every method answers a miss (None, False, nothing) instead of raising.
   goes on from the local cache or compiles, and never waits on a dead store once per program.
   Deadlines: `timeout` s for a listing or a meta, plus one second per MB for a payload.
 - An object that fails verification is refused with one warning naming it, and the store stays in
-  use for the others: a meta that is not a JSON object with the payload's sha256 and size, a
+  use for the others: a meta or record over `MAX_JSON_BYTES` or that is not a JSON object (nested
+  too deep included), a meta without the payload's sha256 and a size up to `MAX_PAYLOAD_BYTES`, a
   missing or wrong signature when a signing key is set (`Trust`), a payload whose size or sha256
-  differs from its meta, a cache key that is not a hex digest.
+  differs from its meta, a cache key that is not a hex digest. Any other error reading, parsing
+  or checking one object is that object's refusal too: nothing a writer of the store puts there
+  stops a start.
 - Without a signing key, the first object read logs, once, that the store is trusted as-is.
 
 An object travels with a meta object (`<name>.meta.json` unless named otherwise; a compile cache
@@ -38,6 +41,10 @@ from vllm_aot.files import sync_directory
 logger = logging.getLogger(__name__)
 
 META_SUFFIX = ".meta.json"
+# A meta or registry record is a few hundred bytes; a larger one is refused before it is parsed.
+MAX_JSON_BYTES = 1 << 20
+# The largest payload a meta may name (1 PiB): its deadline stays a number a thread can wait for.
+MAX_PAYLOAD_BYTES = 1 << 50
 # A payload's deadline grows by one second per this many bytes (a slow but moving link is fine).
 _SLOWEST_BYTES_PER_SECOND = 1_000_000
 # Meta fields a fetched entry keeps in the local cache (the rest is recomputed on commit).
@@ -91,6 +98,9 @@ class RemoteTier:
             try:
                 meta = self._verified_copy(name, meta_name or name + META_SUFFIX, payload, expect)
             except _Miss:
+                return None
+            except Exception as exc:  # whatever the store's bytes provoke is that object's miss
+                self._warn_refused(name, f"it cannot be checked ({type(exc).__name__}: {exc})")
                 return None
             os.replace(payload, dest)
         sync_directory(dest.parent)
@@ -189,6 +199,9 @@ class RemoteTier:
                 if self.failure is not None:
                     break
                 continue
+            except Exception as exc:  # whatever the store's bytes provoke is that record's miss
+                self._warn_refused(name, f"it cannot be checked ({type(exc).__name__}: {exc})")
+                continue
             found.append((name, payload))
         return found
 
@@ -211,6 +224,8 @@ class RemoteTier:
         sha256, size = meta.get("sha256"), meta.get("bytes")
         if not is_hex_digest(sha256, 64) or not isinstance(size, int) or size < 0:
             self._refuse(meta_name, "its meta lacks the payload's sha256 and bytes")
+        if size > MAX_PAYLOAD_BYTES:
+            self._refuse(meta_name, f"its meta names more than {MAX_PAYLOAD_BYTES} bytes")
         if refusal := self.trust.refusal(name, meta):
             self._refuse(name, refusal)
         if wrong := {k: meta.get(k) for k, v in (expect or {}).items() if meta.get(k) != v}:
@@ -232,10 +247,14 @@ class RemoteTier:
             path = Path(tmp) / "object.json"
             if not self._call(f"reading {name}", self.store.get, name, path):
                 raise _Miss
+            if (size := path.stat().st_size) > MAX_JSON_BYTES:
+                self._refuse(name, f"it has {size} bytes, over {MAX_JSON_BYTES} for a JSON object")
             try:
                 payload = json.loads(path.read_bytes())
             except ValueError as exc:
                 self._refuse(name, f"it is not JSON ({exc})")
+            except RecursionError:
+                self._refuse(name, "it is JSON nested too deep to read")
         if not isinstance(payload, dict):
             self._refuse(name, "it is not a JSON object")
         self._warn_unsigned_once()
@@ -263,7 +282,7 @@ class RemoteTier:
         # A daemon thread: a call stuck in the network (or a hung mount) is abandoned, not waited.
         worker = threading.Thread(target=run, name="vllm-aot-remote-store", daemon=True)
         worker.start()
-        worker.join(seconds or self.timeout)
+        worker.join(min(seconds or self.timeout, threading.TIMEOUT_MAX))
         if "value" in outcome:
             return outcome["value"]
         if "error" in outcome:

@@ -78,8 +78,14 @@ class Trust:
         signature = meta.get(SIGNATURE_FIELD)
         if not isinstance(signature, str):
             return "it is not signed and a signing key is configured"
+        if not signature.isascii():
+            return "its signature is not ASCII"
         unsigned = {k: v for k, v in meta.items() if k != SIGNATURE_FIELD}
-        if not hmac.compare_digest(signature, self._mac(name, unsigned)):
+        try:
+            expected = self._mac(name, unsigned)
+        except (RecursionError, TypeError, ValueError) as exc:  # what json.dumps refuses
+            return f"it cannot be checked ({type(exc).__name__})"
+        if not hmac.compare_digest(signature.encode("ascii"), expected.encode("ascii")):
             return "its signature does not match this deployment's signing key"
         return None
 
