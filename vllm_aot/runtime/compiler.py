@@ -6,11 +6,14 @@ self-contained `.pt2` package (weights are inputs, never constants, so one packa
 not repeat them). Several programs compile in `python -m vllm_aot.runtime.compiler JOBFILE`
 children: the parent writes one JSON job file per worker; the child compiles its programs in
 order and prints `done NAME SECONDS` after each, which the parent turns into progress. A failing
-child's stderr is raised in the parent.
+child's stderr is raised in the parent. A full disk is one error wherever it happens (in a child,
+in `on_done` on a worker's thread, in this process): `OSError(ENOSPC)`, which the compile cache
+reports as its `CacheDiskFullError`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import subprocess
@@ -59,6 +62,26 @@ def inductor_settings(kind: ProgramKind) -> dict[str, object]:
 
 
 OnDone = Callable[[ProgramKey, float], None]
+_DISK_FULL = "disk-full"  # a child's line `disk-full NAME`: its device filled compiling NAME
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is a full device (an OSError, or a C++
+    compiler's output that says so)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _disk_full(what: str) -> OSError:
+    return OSError(errno.ENOSPC, f"No space left on device while compiling {what}")
 
 
 def compile_program(key: ProgramKey, arch: ModelArch, config: RuntimeConfig, path: Path) -> float:
@@ -97,7 +120,12 @@ def compile_programs(
     if num_workers <= 1 or len(jobs) <= 1:
         seconds = {}
         for key, path in jobs:
-            seconds[key] = compile_program(key, arch, config, path)
+            try:
+                seconds[key] = compile_program(key, arch, config, path)
+            except Exception as exc:
+                if _is_disk_full(exc) and getattr(exc, "errno", None) != errno.ENOSPC:
+                    raise _disk_full(key.name) from exc
+                raise
             on_done(key, seconds[key])
         return seconds
     return _run_workers(jobs, arch, config, num_workers=num_workers, on_done=on_done)
@@ -134,17 +162,60 @@ def _run_workers(
     num_workers: int,
     on_done: OnDone,
 ) -> dict[ProgramKey, float]:
-    by_name = {key.name: key for key, _ in jobs}
     # Largest programs first, dealt round-robin, so workers finish at about the same time.
     ordered = sorted(jobs, key=lambda job: -job[0].size)
     groups = [ordered[i::num_workers] for i in range(num_workers) if ordered[i::num_workers]]
-    seconds: dict[ProgramKey, float] = {}
-    errors: list[str] = []
-    lock = threading.Lock()
+    workers = _Workers(jobs, arch, config, on_done)
+    threads = [threading.Thread(target=workers.run, args=(group,)) for group in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return workers.outcome()
 
-    def run(group: Sequence[tuple[ProgramKey, Path]]) -> None:
-        job_file = _job_file(group, arch, config)
+
+class _Workers:
+    """Child compilers, each read by a thread of this process, and what they report. The first
+    error (a child's full disk, an `on_done` that raises) stops every child: what they built is
+    not committed, and that error is the one raised."""
+
+    def __init__(self, jobs, arch: ModelArch, config: RuntimeConfig, on_done: OnDone) -> None:
+        self.by_name = {key.name: key for key, _ in jobs}
+        self.arch, self.config, self.on_done = arch, config, on_done
+        self.seconds: dict[ProgramKey, float] = {}
+        self.errors: list[str] = []  # the end of each failed child's stderr
+        self.disk_full: list[str] = []  # programs a child found no space for
+        self.raised: list[BaseException] = []  # errors in this process (on_done, a job file)
+        self.procs: list[subprocess.Popen] = []
+        self.stopped = False
+        self.lock = threading.Lock()
+
+    def run(self, group: Sequence[tuple[ProgramKey, Path]]) -> None:
+        job_file = None
         try:
+            job_file = _job_file(group, self.arch, self.config)
+            self._compile(job_file)
+        except BaseException as exc:
+            with self.lock:
+                self._stop(exc)
+        finally:
+            if job_file is not None:
+                job_file.unlink(missing_ok=True)
+
+    def outcome(self) -> dict[ProgramKey, float]:
+        if self.raised:
+            raise self.raised[0]
+        if self.disk_full:
+            failed = RuntimeError("compiling programs failed:\n" + "\n".join(self.errors))
+            raise _disk_full(", ".join(self.disk_full)) from failed
+        if self.errors:
+            raise RuntimeError("compiling programs failed:\n" + "\n".join(self.errors))
+        return self.seconds
+
+    def _compile(self, job_file: Path) -> None:
+        with self.lock:
+            if self.stopped:
+                return
             proc = subprocess.Popen(
                 [sys.executable, "-m", "vllm_aot.runtime.compiler", str(job_file)],
                 stdout=subprocess.PIPE,
@@ -154,30 +225,38 @@ def _run_workers(
                 # running, and its half-built entries stay invisible.
                 preexec_fn=parent_death_signal(signal.SIGKILL),
             )
-            stderr_lines: list[str] = []
-            drain = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr))
-            drain.start()
-            for line in proc.stdout:
-                if line.startswith("done "):
-                    _, name, secs = line.split()
-                    with lock:
-                        seconds[by_name[name]] = float(secs)
-                        on_done(by_name[name], float(secs))
-            drain.join()
-            if proc.wait() != 0:
-                with lock:
-                    errors.append("".join(stderr_lines[-40:]))
-        finally:
-            job_file.unlink(missing_ok=True)
+            self.procs.append(proc)
+        stderr_lines: list[str] = []
+        drain = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr))
+        drain.start()
+        for line in proc.stdout:
+            with self.lock:
+                self._report(line.split())
+        drain.join()
+        with self.lock:
+            if proc.wait() != 0 and not self.stopped:
+                self.errors.append("".join(stderr_lines[-40:]))
 
-    threads = [threading.Thread(target=run, args=(group,)) for group in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise RuntimeError("compiling programs failed:\n" + "\n".join(errors))
-    return seconds
+    def _report(self, fields: list[str]) -> None:
+        if fields[:1] == [_DISK_FULL] and len(fields) == 2:
+            self.disk_full.append(fields[1])
+            self._stop()
+        elif fields[:1] == ["done"] and len(fields) == 3 and not self.stopped:
+            key, seconds = self.by_name[fields[1]], float(fields[2])
+            self.seconds[key] = seconds
+            try:
+                self.on_done(key, seconds)
+            except BaseException as exc:
+                self._stop(exc)
+
+    def _stop(self, error: BaseException | None = None) -> None:
+        """Kill every child still compiling (the lock held)."""
+        if error is not None:
+            self.raised.append(error)
+        self.stopped = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def main(job_file: str) -> None:
@@ -189,7 +268,12 @@ def main(job_file: str) -> None:
         key = ProgramKey(
             ProgramKind(job["kind"]), job["size"], job["context"], job["drafts"], job["window"]
         )
-        secs = compile_program(key, arch, config, Path(job["path"]))
+        try:
+            secs = compile_program(key, arch, config, Path(job["path"]))
+        except Exception as exc:
+            if _is_disk_full(exc):
+                print(f"{_DISK_FULL} {key.name}", flush=True)
+            raise
         print(f"done {key.name} {secs:.3f}", flush=True)
 
 
