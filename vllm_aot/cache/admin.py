@@ -81,11 +81,6 @@ def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
     for failure in local.failures():
         record = local.failed_dir / f"{failure['key']}.json"
         doomed.append((f"failed record of {failure['name']}", record))
-    for key in local.lock_keys():
-        if not local.is_locked(key):
-            path = local.lock_path(key)
-            doomed.append((f"stale lock {key}", path))
-            doomed.append((f"stale lock owner {key}", path.with_suffix(".owner")))
     doomed += [(f"abandoned staging {p.name}", p) for p in local.abandoned_staging()]
     for key in local.entry_keys():
         meta = local.read_meta(key)
@@ -97,7 +92,9 @@ def cleanup(cache: ProgramCache, *, dry_run: bool) -> list[str]:
             path = cache.registry.root / entry.arch_digest / f"{entry.name}.json"
             doomed.append((f"configuration {entry.name} ({entry.incompatibility})", path))
     doomed += [(f"malformed registry record {p}", p) for p in cache.registry.malformed_local()]
-    done = []
+    # A lock is removed only while this process holds it: a compiler may take it at any time.
+    stale = [key for key in local.lock_keys() if not local.is_locked(key)]
+    done = [f"stale lock {key}" for key in stale if dry_run or local.remove_free_lock(key)]
     for what, path in doomed:
         if not path.exists():
             continue

@@ -12,6 +12,9 @@ Readers never lock: an entry exists only once its directory was renamed into pla
 verified against its recorded digest before use; a mismatch removes it (it will be rebuilt).
 A lock dies with its process (flock), so a crashed compiler never blocks anyone; its owner file
 and staging directory are left for `cleanup` (and are removed by the next owner of the key).
+`cleanup` removes a lock file only while holding its lock, and a lock counts only on the file its
+path names now (`try_lock` takes the new file when the one it opened was removed meanwhile), so
+two compilers never hold one key.
 Keys become directory and file names only when they are hex digests (ValueError otherwise), and
 a committed entry's rename is synced to disk with its directory.
 """
@@ -81,6 +84,16 @@ class LockOwner:
     def describe(self) -> str:
         age = time.time() - self.since
         return f"pid {self.pid} on {self.host} (for {age:.0f} s)"
+
+
+def _is_file_at(handle, path: Path) -> bool:
+    """Whether the open `handle` is the file `path` names now."""
+    try:
+        named = path.stat()
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 class LocalCache:
@@ -239,7 +252,11 @@ class LocalCache:
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if _is_file_at(handle, path):
+                    break
+                handle.close()  # removed by `cleanup` since it was opened: take the new file
+                handle = open(path, "a")  # noqa: SIM115
+                continue
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     handle.close()
@@ -267,6 +284,25 @@ class LocalCache:
         self.lock_path(key).with_suffix(".owner").unlink(missing_ok=True)
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
+
+    def remove_free_lock(self, key: str) -> bool:
+        """Remove `key`'s lock and owner files, holding the lock while they go; False (nothing
+        removed) when another process holds it or there is none."""
+        path = self.lock_path(key)
+        try:
+            handle = open(path, "rb")  # noqa: SIM115 - never creates one
+        except FileNotFoundError:
+            return False
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if not _is_file_at(handle, path):
+                return False
+            path.with_suffix(".owner").unlink(missing_ok=True)
+            path.unlink()
+            return True
 
     # -- failures ----------------------------------------------------------------------------
 
