@@ -104,3 +104,17 @@ def test_a_full_disk_committing_on_a_worker_thread_is_cache_disk_full(
         )
     monkeypatch.setattr(local_module, "write_json_atomic", real)  # space is freed
     assert_the_next_start_compiles_the_rest(root, tmp_path / "log", 1)
+
+
+@pytest.mark.unit
+def test_a_full_disk_compiling_in_this_process_is_enospc(monkeypatch):
+    def compile_program(key, arch, config, path):
+        raise RuntimeError("C++ compile error: final link failed: No space left on device")
+
+    monkeypatch.setattr(compiler, "compile_program", compile_program)
+    key = all_program_keys(TINY_CACHE_CONFIG)[0]
+    with pytest.raises(OSError, match=f"No space left on device while compiling {key.name}") as e:
+        compiler.compile_programs(
+            [(key, Path("p.pt2"))], tiny_arch(), TINY_CACHE_CONFIG, num_workers=1
+        )
+    assert e.value.errno == errno.ENOSPC
