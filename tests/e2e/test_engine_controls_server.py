@@ -121,6 +121,18 @@ def test_reset_encoder_cache_and_collective_rpc(http):
     completes(http)
 
 
+def test_a_method_the_worker_does_not_serve_is_an_error_not_a_crash(http, url):
+    """tests/test_worker_methods.py NOT_SERVED: the call fails (vLLM answers 500 and may drop
+    the connection after it), the engine serves on."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        try:
+            response = client.post("/collective_rpc", json={"method": "compute_weight_checksums"})
+            assert response.status_code == 500
+        except httpx.ReadError:
+            pass
+    completes(http)
+
+
 def test_reset_prefix_cache_with_requests_in_flight(http, url):
     """Four streams running when the reset preempts them: each recomputes and completes."""
     num_streams, max_tokens = 4, 200
