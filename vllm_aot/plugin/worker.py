@@ -9,6 +9,8 @@ per step, delegated to AotModelRunner (on a thread of its own under `--async-sch
 async_steps.py); `profile` between steps (vLLM's `/start_profile` and
 `/stop_profile`, see profiling.py). The stats file (metrics.py) gets the start-up counters in
 `load_model` and the step counters from a background thread from `initialize_from_config` on.
+vLLM's engine controls (`/pause`, sleep mode, `--max-model-len -1`'s auto-fit) get the answers
+vLLM's CPU worker gives (the methods after `get_model`).
 """
 
 from __future__ import annotations
