@@ -39,6 +39,10 @@ def engine_config(model_dir, **flags):
             {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
             "--kv-transfer-config (no KV connectors)",
         ),
+        (
+            {"weight_transfer_config": {"backend": "nccl"}},
+            "--weight-transfer-config (the weights are loaded once, at start)",
+        ),
         # vLLM itself wants tensor parallelism divisible by it and above the KV heads (2)
         (
             {"decode_context_parallel_size": 2, "tensor_parallel_size": 4},

@@ -85,6 +85,8 @@ def _refuse_unsupported(vllm_config) -> None:
         problems.append(f"--logprobs-mode {model_config.logprobs_mode} (supported: raw_logprobs)")
     if vllm_config.kv_transfer_config is not None:
         problems.append("--kv-transfer-config (no KV connectors)")
+    if vllm_config.weight_transfer_config is not None:
+        problems.append("--weight-transfer-config (the weights are loaded once, at start)")
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         problems.append("context parallelism (supported: 1)")
     if parallel.use_ray and not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:

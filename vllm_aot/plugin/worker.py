@@ -9,6 +9,8 @@ per step, delegated to AotModelRunner (on a thread of its own under `--async-sch
 async_steps.py); `profile` between steps (vLLM's `/start_profile` and
 `/stop_profile`, see profiling.py). The stats file (metrics.py) gets the start-up counters in
 `load_model` and the step counters from a background thread from `initialize_from_config` on.
+vLLM's engine controls (`/pause`, sleep mode, `--max-model-len -1`'s auto-fit) get the answers
+vLLM's CPU worker gives (the methods after `get_model`).
 """
 
 from __future__ import annotations
@@ -311,6 +313,38 @@ class AotWorker(WorkerBase):
 
     def get_model(self):
         return self.model
+
+    # What vLLM's engine asks of every worker beyond the steps (`/pause`, sleep mode, auto-fit,
+    # data parallelism), as vLLM's CPU worker answers it: a CPU has no device memory to free.
+
+    def reset_encoder_cache(self) -> None:
+        """`/pause`, `/reset_encoder_cache`: no encoder outputs are cached (multimodal models
+        are refused at start)."""
+
+    def sleep(self, level: int = 1) -> None:
+        """`/sleep`: the weights and the KV pool stay in memory, as on vLLM's CPU worker; the
+        engine's scheduler is paused until `/wake_up`."""
+        logger.warning("vllm-aot: sleep level %d keeps weights and KV pool in memory on CPU", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """`/wake_up`: nothing was released (`sleep`)."""
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """`/release_kv_cache_memory` (tags `("kv_cache",)`): the pool stays allocated. vLLM
+        calls it once the engine is paused with no request left and the prefix cache reset, so
+        no block holds anything a request reads; kept requests recompute after `/wake_up`."""
+        logger.warning("vllm-aot: %s stays in memory on CPU", ", ".join(tags))
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        """vLLM's auto-fit (`--max-model-len -1`) lowered the length to what the KV budget
+        holds, before `initialize_from_config`; the compiled programs serve any length up to
+        the compiled one."""
+        self.model_config.max_model_len = max_model_len
+        logger.info("vllm-aot: max_model_len %d, fitted to the KV budget", max_model_len)
+
+    def execute_dummy_batch(self) -> None:
+        """An idle rank's step under vLLM's data parallelism, which is refused at start (`vllm-aot
+        serve --data-parallel-size` runs independent replicas): no collective to join."""
 
     def check_health(self) -> None:
         return None
