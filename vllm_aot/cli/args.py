@@ -10,6 +10,7 @@ from pathlib import Path
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 from vllm_aot.runtime.options import OPTIONS, Option
+from vllm_aot.serve.connections import ConnectionLimits
 
 # serve flags given their default when left out (the others: None, so a choice can fill them).
 _SERVE_DEFAULTED = ("tensor_parallel_size", "backend")
@@ -111,6 +112,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--proxy-connect-timeout", type=float, default=5.0, help="seconds")
     g.add_argument("--proxy-read-timeout", type=float, default=600.0, help="seconds of silence")
     g.add_argument("--proxy-health-interval", type=float, default=2.0, help="seconds")
+    limits = ConnectionLimits()
+    g.add_argument(
+        "--proxy-max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="client connections at once; more get 503 (and at most what the open-file limit "
+        "holds)",
+    )
+    g.add_argument(
+        "--proxy-max-connections-per-client",
+        type=int,
+        default=limits.max_connections_per_client,
+        help="client connections at once from one address; more get 503",
+    )
+    g.add_argument(
+        "--proxy-header-timeout",
+        type=float,
+        default=limits.header_timeout,
+        help="seconds a new connection has to send a whole request header",
+    )
+    g.add_argument(
+        "--proxy-keepalive-timeout",
+        type=float,
+        default=limits.keepalive_timeout,
+        help="seconds a kept-alive connection may stay idle between requests",
+    )
     g.add_argument(
         "--expose-metrics",
         action="store_true",

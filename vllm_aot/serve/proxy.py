@@ -3,7 +3,8 @@
 Bodies stream both ways in chunks as they arrive; nothing is buffered whole. `/health` and
 `/metrics` are the proxy's own (aggregated); every other path is forwarded to one replica with
 its headers. With API keys every path but `/health` (and `/metrics` when public) needs one,
-checked here before anything is forwarded (`serve/auth.py`).
+checked here before anything is forwarded (`serve/auth.py`). Client connections are capped and
+timed before aiohttp sees them (`serve/connections.py`).
 
 Failures: a request whose connection could not be opened (nothing sent) is retried once on
 another replica; once sent it is never retried. A replica that fails before answering gives the
@@ -30,6 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from vllm_aot.serve.auth import ApiKeys, authentication
+from vllm_aot.serve.connections import ConnectionGuard, ConnectionLimits, fitting_limits
 from vllm_aot.serve.metrics import merge_expositions
 from vllm_aot.serve.pool import ReplicaPool, ReplicaState, health_loop
 
@@ -66,6 +68,7 @@ class ProxyConfig:
     health_timeout: float = 2.0
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the proxy checks no key
     is_metrics_public: bool = False  # /metrics without a key even when keys are required
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # client connections
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "connect_timeout", "read_timeout", "health_interval"):
@@ -112,6 +115,8 @@ class Proxy:
     def __init__(self, pool: ReplicaPool, config: ProxyConfig) -> None:
         self.pool, self.config = pool, config
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard = ConnectionGuard(fitting_limits(config.limits))
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._in_flight: set[asyncio.Task] = set()  # forward() handlers running now
@@ -129,7 +134,9 @@ class Proxy:
         if self.config.is_metrics_public:
             public.append(self.handle_metrics)
         keys = self.config.api_keys
-        middlewares = [authentication(keys, public)] if keys.is_required else []
+        middlewares = [self.guard.middleware()]  # first: a request stops its header watchdog
+        if keys.is_required:
+            middlewares.append(authentication(keys, public))
         app = web.Application(middlewares=middlewares)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -138,10 +145,17 @@ class Proxy:
         # the replica is silent (prefill), instead of at the next write. shutdown_timeout: stop()
         # comes after drain(), so whatever is still running then is cancelled promptly.
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_SECONDS
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=CANCEL_SECONDS,
+            keepalive_timeout=self.guard.limits.keepalive_timeout,
         )
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        # Clients connect through the guard (serve/connections.py), then reach aiohttp.
+        self._listener = await asyncio.get_running_loop().create_server(
+            self.guard.wrap(self._runner.server), self.config.host, self.config.port, backlog=128
+        )
         self._health_task = asyncio.create_task(
             health_loop(
                 self._session,
@@ -159,11 +173,10 @@ class Proxy:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        if self._runner:
-            for site in list(self._runner.sites):
-                await site.stop()
-            if self._runner.server:
-                self._runner.server.pre_shutdown()
+        if self._listener:
+            self._listener.close()
+        if self._runner and self._runner.server:
+            self._runner.server.pre_shutdown()
 
     async def drain(self, timeout: float) -> int:
         """Wait up to `timeout` s for the requests in flight to end; returns how many remain."""

@@ -1,0 +1,244 @@
+"""No client can stop `serve`: connection caps, header and idle timeouts, the open-file limit, and
+a replica watcher and health loop that go on through any error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.helpers import wait_until
+from tests.test_serve_proxy import proxied_with_proxy
+from vllm_aot.serve import pool as pool_module
+from vllm_aot.serve import replicas as replicas_module
+from vllm_aot.serve.auth import ApiKeys
+from vllm_aot.serve.connections import (
+    RESERVED_FILES,
+    ConnectionLimits,
+    fitting_limits,
+    raise_open_file_limit,
+)
+from vllm_aot.serve.pool import ReplicaPool, health_loop
+from vllm_aot.serve.replicas import ReplicaManager, ReplicaSpec, RestartPolicy
+
+pytestmark = pytest.mark.unit
+
+HALF_HEADER = b"POST /v1/echo HTTP/1.1\r\nHost: proxy\r\nContent-Le"
+KEY = "the-key"
+
+
+@contextlib.contextmanager
+def proxy_in_thread(**config):
+    """A proxy over two fake replicas, served from an event loop on a thread: (url, proxy)."""
+    loop = asyncio.new_event_loop()
+    ready: dict = {}
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        async with proxied_with_proxy(**config) as (_, _replicas, _pool, proxy):
+            ready["proxy"] = proxy
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        proxy = wait_until(lambda: ready.get("proxy"), 30, "the proxy started")
+        yield f"http://127.0.0.1:{proxy.config.port}", proxy
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+def half_header_sockets(port: int, count: int, source: str) -> list[socket.socket]:
+    """`count` connections from address `source` that each send half a request header."""
+    sockets = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(HALF_HEADER)
+        sock.setblocking(False)
+        sockets.append(sock)
+    return sockets
+
+
+def read_until_closed(sock: socket.socket, received: dict[socket.socket, bytes]) -> bool:
+    """Read what `sock` has; whether the proxy closed it."""
+    try:
+        while data := sock.recv(65536):
+            received[sock] = received.get(sock, b"") + data
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    return True
+
+
+def keyed_request(url: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(f"{url}/v1/echo", content=b"hello", headers=headers, timeout=10)
+
+
+def test_half_header_connections_are_capped_and_closed_while_keyed_requests_are_served():
+    limits = ConnectionLimits(
+        max_connections=100, max_connections_per_client=50, header_timeout=1.5
+    )
+    with proxy_in_thread(limits=limits, api_keys=ApiKeys.of([KEY])) as (url, proxy):
+        port = proxy.config.port
+        opened = time.monotonic()
+        sockets = half_header_sockets(port, 200, "127.0.0.2")
+        wait_until(lambda: proxy.guard.num_refused >= 150, 10, "150 connections refused")
+        response = keyed_request(url)  # from another address: served while they wait
+        assert response.status_code == 200
+        assert response.content == b"hello"
+        received: dict[socket.socket, bytes] = {}
+        wait_until(
+            lambda: all([read_until_closed(s, received) for s in sockets]),
+            limits.header_timeout + 5,
+            "every half-header connection closed",
+        )
+        assert time.monotonic() - opened < limits.header_timeout + 5
+        refused = [data for data in received.values() if data]
+        assert len(refused) == 150
+        assert all(data.startswith(b"HTTP/1.1 503 ") for data in refused)
+        body = json.loads(refused[0].split(b"\r\n\r\n", 1)[1])
+        assert "at most 50 a client" in body["error"]["message"]
+        assert "--proxy-max-connections-per-client" in body["error"]["message"]
+        assert proxy.guard.num_timed_out == 50
+        assert keyed_request(url).status_code == 200  # and after
+        for sock in sockets:
+            sock.close()
+        wait_until(lambda: proxy.guard.num_open == 0, 10, "no connection counted")
+
+
+def test_connections_over_the_total_get_503_naming_the_limit():
+    limits = ConnectionLimits(max_connections=5, header_timeout=30)
+    with proxy_in_thread(limits=limits) as (url, proxy):
+        sockets = half_header_sockets(proxy.config.port, 5, "127.0.0.2")
+        wait_until(lambda: proxy.guard.num_open == 5, 10, "five connections open")
+        response = httpx.post(f"{url}/v1/echo", content=b"x", timeout=10)
+        assert response.status_code == 503
+        assert "at most 5 (--proxy-max-connections)" in response.json()["error"]["message"]
+        for sock in sockets:
+            sock.close()
+        wait_until(lambda: proxy.guard.num_open == 0, 10, "the five closed")
+        assert httpx.post(f"{url}/v1/echo", content=b"x", timeout=10).status_code == 200
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout():
+    limits = ConnectionLimits(keepalive_timeout=0.5)
+    with proxy_in_thread(limits=limits) as (url, proxy), httpx.Client() as client:
+        assert client.post(f"{url}/v1/echo", content=b"x").status_code == 200
+        assert proxy.guard.num_open == 1
+        wait_until(lambda: proxy.guard.num_open == 0, 10, "the idle connection closed")
+
+
+@contextlib.contextmanager
+def lowered_open_file_limit(soft: int):
+    saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, saved[1]))
+    try:
+        yield saved[1]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, saved)
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one_and_caps_connections():
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 400:
+        pytest.skip(f"hard open-file limit {hard}")
+    with lowered_open_file_limit(300):
+        limits = fitting_limits(ConnectionLimits(max_connections=1000))
+        assert limits.max_connections == (300 - RESERVED_FILES) // 2
+        assert limits.max_connections_per_client == limits.max_connections
+        assert raise_open_file_limit() == hard
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+
+
+def test_the_health_loop_goes_on_after_an_error(monkeypatch):
+    calls = []
+
+    async def flaky_check(session, pool, replica, timeout):
+        calls.append(replica.index)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        pool.admit(replica)
+        return True
+
+    async def main():
+        pool = ReplicaPool.from_urls(["http://127.0.0.1:1"])
+        loop = asyncio.create_task(health_loop(None, pool, interval=0.01, timeout=1))
+        try:
+            for _ in range(500):
+                if pool.replicas[0].is_healthy or loop.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert not loop.done()
+            assert pool.replicas[0].is_healthy
+        finally:
+            loop.cancel()
+
+    monkeypatch.setattr(pool_module, "check_replica", flaky_check)
+    asyncio.run(main())
+
+
+def test_the_replica_watcher_goes_on_through_emfile_access_denied_and_a_failed_spawn(
+    monkeypatch,
+):
+    sleeper = (sys.executable, "-c", "import time; time.sleep(60)")
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    spec = ReplicaSpec(0, 1, cores, sleeper, dict(os.environ))
+    pool = ReplicaPool.from_urls([spec.url])
+    policy = RestartPolicy(initial_backoff=0.1, max_backoff=0.1)
+    manager = ReplicaManager([spec], pool, policy=policy)
+    errors = iter(
+        [OSError(errno.EMFILE, "Too many open files"), psutil.AccessDenied(), OSError(errno.EMFILE)]
+    )
+    raised = []
+
+    def children(self, recursive=False):
+        error = next(errors, None)
+        if error is None:
+            return []
+        raised.append(error)
+        raise error
+
+    real_popen = replicas_module.subprocess.Popen
+    spawns = []
+
+    def popen_failing_once(*args, **kwargs):
+        spawns.append(args)
+        if len(spawns) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_popen(*args, **kwargs)
+
+    async def main():
+        manager.start_all()
+        watching = asyncio.create_task(manager.watch())
+        try:
+            while len(raised) < 3 and not watching.done():
+                await asyncio.sleep(0.05)
+            assert not watching.done()
+            monkeypatch.setattr(replicas_module.subprocess, "Popen", popen_failing_once)
+            manager._processes[0].kill()  # restarts: the first spawn fails, the next one runs
+            while manager._processes[0] is None or len(spawns) < 2:
+                assert not watching.done()
+                await asyncio.sleep(0.05)
+            assert manager._processes[0].poll() is None
+        finally:
+            watching.cancel()
+            await manager.stop_all(grace=2)
+
+    monkeypatch.setattr(psutil.Process, "children", children)
+    asyncio.run(asyncio.wait_for(main(), 60))
