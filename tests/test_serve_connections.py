@@ -1,5 +1,6 @@
-"""No client can stop `serve`: connection caps, header and idle timeouts, the open-file limit, and
-a replica watcher and health loop that go on through any error."""
+"""No client can stop `serve`: connection caps, header and idle timeouts, the open-file limit, a
+replica watcher and health loop that go on through any error; and a request sent on a stale
+pooled connection to a replica is sent again."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import sys
 import threading
 import time
 
+import aiohttp
 import httpx
 import psutil
 import pytest
+from aiohttp import web
 
 from tests.helpers import wait_until
 from tests.test_serve_proxy import proxied_with_proxy
@@ -30,7 +33,9 @@ from vllm_aot.serve.connections import (
     raise_open_file_limit,
 )
 from vllm_aot.serve.pool import ReplicaPool, health_loop
+from vllm_aot.serve.proxy import Proxy, ProxyConfig
 from vllm_aot.serve.replicas import ReplicaManager, ReplicaSpec, RestartPolicy
+from vllm_aot.testing import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -242,3 +247,65 @@ def test_the_replica_watcher_goes_on_through_emfile_access_denied_and_a_failed_s
 
     monkeypatch.setattr(psutil.Process, "children", children)
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+class ClosingReplica:
+    """A replica that answers the first request on each connection (an echo) and closes the
+    connection unanswered when another comes on it, as a replica does for a request sent on a
+    kept-alive connection it had closed (restarted, or its idle timeout)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.num_dropped = 0
+        self.bodies: list[bytes] = []
+        self._counts: dict[int, int] = {}
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.answer)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        key = id(request.protocol)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if self._counts[key] > 1:
+            self.num_dropped += 1
+            request.transport.abort()
+            return web.Response()
+        body = await request.read()
+        self.bodies.append(body)
+        return web.Response(body=body)
+
+
+def test_a_request_on_a_stale_pooled_connection_is_sent_again_on_a_new_one():
+    async def chunks():
+        for i in range(20):
+            yield f"chunk {i};".encode()
+
+    async def main():
+        replica = ClosingReplica()
+        await replica.start()
+        pool = ReplicaPool.from_urls([f"http://127.0.0.1:{replica.port}"])
+        proxy = Proxy(pool, ProxyConfig(port=free_port(), health_interval=60))
+        await proxy.start()  # its first health check leaves a kept-alive connection
+        try:
+            while not pool.replicas[0].is_healthy:
+                await asyncio.sleep(0.02)
+            async with (
+                aiohttp.ClientSession(f"http://127.0.0.1:{proxy.config.port}") as client,
+                client.post("/v1/echo", data=chunks()) as response,
+            ):
+                assert response.status == 200
+                assert await response.read() == b"".join(
+                    [f"chunk {i};".encode() for i in range(20)]
+                )
+            assert replica.num_dropped == 1
+            assert pool.num_retries == 1
+            assert pool.replicas[0].is_healthy  # a stale connection is no replica failure
+        finally:
+            await proxy.stop()
+            await replica.runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
