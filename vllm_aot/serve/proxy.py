@@ -92,7 +92,8 @@ class _NoAnswer(Exception):
 
 
 async def _note_reuse(session, context, params) -> None:
-    context.trace_request_ctx["reused"] = True  # `_send`'s record of its attempt
+    if isinstance(context.trace_request_ctx, dict):  # `_send`'s record of its attempt
+        context.trace_request_ctx["reused"] = True
 
 
 class _RequestBody:
