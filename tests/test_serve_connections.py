@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import os
 import resource
 import socket
@@ -90,54 +89,66 @@ def read_until_closed(sock: socket.socket, received: dict[socket.socket, bytes])
     return True
 
 
-def keyed_request(url: str) -> httpx.Response:
+def keyed_request(url: str, source: str = "127.0.0.1") -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}"}
-    return httpx.post(f"{url}/v1/echo", content=b"hello", headers=headers, timeout=10)
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source)) as client:
+        return client.post(f"{url}/v1/echo", content=b"hello", headers=headers, timeout=10)
 
 
-def test_half_header_connections_are_capped_and_closed_while_keyed_requests_are_served():
+def test_half_header_connections_cannot_keep_a_keyed_request_out_and_are_closed_in_time():
     limits = ConnectionLimits(
         max_connections=100, max_connections_per_client=50, header_timeout=1.5
     )
     with proxy_in_thread(limits=limits, api_keys=ApiKeys.of([KEY])) as (url, proxy):
-        port = proxy.config.port
         opened = time.monotonic()
-        sockets = half_header_sockets(port, 200, "127.0.0.2")
-        wait_until(lambda: proxy.guard.num_refused >= 150, 10, "150 connections refused")
-        response = keyed_request(url)  # from another address: served while they wait
-        assert response.status_code == 200
-        assert response.content == b"hello"
-        received: dict[socket.socket, bytes] = {}
+        sockets = half_header_sockets(proxy.config.port, 200, "127.0.0.2")
+        guard = proxy.guard
+        wait_until(lambda: guard.num_evicted >= 150, 10, "the oldest 150 closed for newer ones")
+        assert guard.num_open <= 50
+        for source in ("127.0.0.2", "127.0.0.1"):  # the same client, and another one
+            response = keyed_request(url, source)
+            assert response.status_code == 200
+            assert response.content == b"hello"
         wait_until(
-            lambda: all([read_until_closed(s, received) for s in sockets]),
+            lambda: all([read_until_closed(s, {}) for s in sockets]),
             limits.header_timeout + 5,
             "every half-header connection closed",
         )
         assert time.monotonic() - opened < limits.header_timeout + 5
-        refused = [data for data in received.values() if data]
-        assert len(refused) == 150
-        assert all(data.startswith(b"HTTP/1.1 503 ") for data in refused)
-        body = json.loads(refused[0].split(b"\r\n\r\n", 1)[1])
-        assert "at most 50 a client" in body["error"]["message"]
-        assert "--proxy-max-connections-per-client" in body["error"]["message"]
-        assert proxy.guard.num_timed_out == 50
+        assert guard.num_evicted + guard.num_timed_out == 200
+        assert guard.num_refused == 0
         assert keyed_request(url).status_code == 200  # and after
         for sock in sockets:
             sock.close()
-        wait_until(lambda: proxy.guard.num_open == 0, 10, "no connection counted")
+        wait_until(lambda: guard.num_open == 0, 10, "no connection counted")
 
 
-def test_connections_over_the_total_get_503_naming_the_limit():
-    limits = ConnectionLimits(max_connections=5, header_timeout=30)
+def test_over_the_total_an_idle_connection_gives_way_and_busy_ones_get_503_naming_the_limit():
+    limits = ConnectionLimits(max_connections=2, header_timeout=30)
+
+    def stream(url: str, started: threading.Event, done: threading.Event) -> None:
+        with httpx.stream("POST", f"{url}/v1/stream", params={"n": "100"}, timeout=30) as response:
+            for _ in response.iter_lines():
+                started.set()
+                if done.is_set():
+                    return
+
     with proxy_in_thread(limits=limits) as (url, proxy):
-        sockets = half_header_sockets(proxy.config.port, 5, "127.0.0.2")
-        wait_until(lambda: proxy.guard.num_open == 5, 10, "five connections open")
+        done = threading.Event()
+        first, second = threading.Event(), threading.Event()
+        threading.Thread(target=stream, args=(url, first, done), daemon=True).start()
+        first.wait(10)
+        (idle,) = half_header_sockets(proxy.config.port, 1, "127.0.0.2")
+        wait_until(lambda: proxy.guard.num_open == 2, 10, "a stream and an idle connection")
+        threading.Thread(target=stream, args=(url, second, done), daemon=True).start()
+        assert second.wait(10)  # it took the idle connection's place
+        wait_until(lambda: read_until_closed(idle, {}), 10, "the idle connection closed")
         response = httpx.post(f"{url}/v1/echo", content=b"x", timeout=10)
         assert response.status_code == 503
-        assert "at most 5 (--proxy-max-connections)" in response.json()["error"]["message"]
-        for sock in sockets:
-            sock.close()
-        wait_until(lambda: proxy.guard.num_open == 0, 10, "the five closed")
+        message = response.json()["error"]["message"]
+        assert "at most 2, all busy (--proxy-max-connections)" in message
+        done.set()
+        wait_until(lambda: proxy.guard.num_open == 0, 10, "the streams ended")
         assert httpx.post(f"{url}/v1/echo", content=b"x", timeout=10).status_code == 200
 
 

@@ -117,8 +117,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--proxy-max-connections",
         type=int,
         default=limits.max_connections,
-        help="client connections at once; more get 503 (and at most what the open-file limit "
-        "holds)",
+        help="client connections at once (at most what the open-file limit holds); a new one "
+        "takes the oldest idle one's place, or gets 503 where all are busy",
     )
     g.add_argument(
         "--proxy-max-connections-per-client",

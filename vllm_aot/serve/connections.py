@@ -2,11 +2,14 @@
 files serving needs (its connections to the replicas, their health checks, their restarts).
 
 - At most `max_connections` client connections at once, and `max_connections_per_client` from
-  one client address. A connection over either limit is answered `503` naming the limit and
-  closed at once; it never reaches aiohttp. The total is also capped to what the open-file limit
-  allows (`fitting_limits`: each proxied request holds two descriptors, the client's and the
-  replica's), and `serve` raises its soft open-file limit to the hard one first
-  (`raise_open_file_limit`).
+  one client address. A new connection over either limit takes the place of the oldest idle one
+  (no request in progress: still sending its header, or kept alive between requests) of that
+  client, or of anyone for the total, which is closed; so a client sending a request gets in
+  however many connections sit idle. Where every one is busy with a request, the new one is
+  answered `503` naming the limit and closed; it never reaches aiohttp. The total is also capped
+  to what the open-file limit allows (`fitting_limits`: each proxied request holds two
+  descriptors, the client's and the replica's), and `serve` raises its soft open-file limit to
+  the hard one first (`raise_open_file_limit`).
 - A new connection must send a whole request header within `header_timeout` s, or it is closed
   (a watchdog per connection; data trickling in does not extend it).
 - Between requests a kept-alive connection may stay idle `keepalive_timeout` s (aiohttp's
@@ -99,17 +102,22 @@ class ConnectionGuard:
     """Counts client connections by address and enforces `limits` (see the module docstring).
 
     `wrap(factory)` is the protocol factory to listen with (around aiohttp's server);
-    `middleware()` must be the application's first, so a request that reached it stops its
-    connection's header watchdog."""
+    `middleware()` must be the application's first: it marks a connection busy while its
+    request is handled (so not evicted) and stops its header watchdog."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
-        self.num_open = 0
         self.num_refused = 0
+        self.num_evicted = 0
         self.num_timed_out = 0
         self.num_lingering = 0
         self._per_client: collections.Counter[str] = collections.Counter()
+        self._open: dict[_GuardedProtocol, None] = {}  # oldest first
         self._by_handler: dict[Any, _GuardedProtocol] = {}
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _GuardedProtocol(factory(), self)
@@ -119,39 +127,57 @@ class ConnectionGuard:
         from aiohttp import web
 
         @web.middleware
-        async def header_received(request, handler: Callable[[Any], Awaitable]):
+        async def request_received(request, handler: Callable[[Any], Awaitable]):
             connection = self._by_handler.get(request.protocol)
-            if connection is not None:
-                connection.header_received()
-            return await handler(request)
+            if connection is None:
+                return await handler(request)
+            connection.header_received()
+            connection.num_requests += 1
+            try:
+                return await handler(request)
+            finally:
+                connection.num_requests -= 1
 
-        return header_received
+        return request_received
 
-    def over_limit(self, client: str) -> str | None:
+    def make_room(self, client: str) -> str | None:
+        """Room for a new connection from `client`: where it is at a limit, the oldest idle
+        connection of that client (its own limit) or of anyone (the total) is closed. Returns
+        the problem where no connection was idle."""
         limits = self.limits
-        if self.num_open >= limits.max_connections:
-            return (
-                f"too many connections: the server holds at most {limits.max_connections} "
-                "(--proxy-max-connections)"
-            )
-        if self._per_client[client] >= limits.max_connections_per_client:
+        if self._per_client[client] >= limits.max_connections_per_client and not self._evict(
+            client
+        ):
             return (
                 f"too many connections from {client}: at most "
-                f"{limits.max_connections_per_client} a client "
+                f"{limits.max_connections_per_client} a client, all busy "
                 "(--proxy-max-connections-per-client)"
+            )
+        if self.num_open >= limits.max_connections and not self._evict(None):
+            return (
+                f"too many connections: the server holds at most {limits.max_connections}, "
+                "all busy (--proxy-max-connections)"
             )
         return None
 
-    def opened(self, client: str, connection: _GuardedProtocol) -> None:
-        self.num_open += 1
-        self._per_client[client] += 1
+    def _evict(self, client: str | None) -> bool:
+        for connection in self._open:
+            if connection.num_requests == 0 and client in (None, connection.client):
+                self.num_evicted += 1
+                connection.close_now()
+                return True
+        return False
+
+    def opened(self, connection: _GuardedProtocol) -> None:
+        self._open[connection] = None
+        self._per_client[connection.client] += 1
         self._by_handler[connection.inner] = connection
 
-    def closed(self, client: str, connection: _GuardedProtocol) -> None:
-        self.num_open -= 1
-        self._per_client[client] -= 1
-        if self._per_client[client] <= 0:
-            del self._per_client[client]
+    def closed(self, connection: _GuardedProtocol) -> None:
+        if self._open.pop(connection, False) is not False:
+            self._per_client[connection.client] -= 1
+            if self._per_client[connection.client] <= 0:
+                del self._per_client[connection.client]
         self._by_handler.pop(connection.inner, None)
 
 
@@ -164,6 +190,7 @@ class _GuardedProtocol(asyncio.Protocol):
         self.client = "?"
         self.is_refused = False
         self._is_lingering = False
+        self.num_requests = 0  # in progress (the middleware counts)
         self.transport: asyncio.Transport | None = None
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -171,11 +198,11 @@ class _GuardedProtocol(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        problem = self.guard.over_limit(self.client)
+        problem = self.guard.make_room(self.client)
         if problem is not None:
             self._refuse(problem)
             return
-        self.guard.opened(self.client, self)
+        self.guard.opened(self)
         loop = asyncio.get_running_loop()
         self._watchdog = loop.call_later(self.guard.limits.header_timeout, self._header_expired)
         self.inner.connection_made(transport)
@@ -204,6 +231,12 @@ class _GuardedProtocol(asyncio.Protocol):
         self._watchdog = None
         self.guard.num_timed_out += 1
         logger.debug("closing a connection from %s: no request header", self.client)
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Close at once (counted out now; aiohttp hears of it when the transport says)."""
+        self.header_received()
+        self.guard.closed(self)
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
@@ -228,5 +261,5 @@ class _GuardedProtocol(asyncio.Protocol):
             self.guard.num_lingering -= self._is_lingering
             return
         self.header_received()  # stops the watchdog
-        self.guard.closed(self.client, self)
+        self.guard.closed(self)
         self.inner.connection_lost(exc)
