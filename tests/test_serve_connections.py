@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import resource
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -20,7 +23,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from tests.helpers import wait_until
+from tests.helpers import children_of, is_gone, wait_until
+from tests.test_serve_lifecycle import ROOT
 from tests.test_serve_proxy import proxied_with_proxy
 from vllm_aot.serve import pool as pool_module
 from vllm_aot.serve import replicas as replicas_module
@@ -34,9 +38,7 @@ from vllm_aot.serve.connections import (
 from vllm_aot.serve.pool import ReplicaPool, health_loop
 from vllm_aot.serve.proxy import Proxy, ProxyConfig
 from vllm_aot.serve.replicas import ReplicaManager, ReplicaSpec, RestartPolicy
-from vllm_aot.testing import free_port
-
-pytestmark = pytest.mark.unit
+from vllm_aot.testing import free_port, wait_healthy
 
 HALF_HEADER = b"POST /v1/echo HTTP/1.1\r\nHost: proxy\r\nContent-Le"
 KEY = "the-key"
@@ -95,6 +97,7 @@ def keyed_request(url: str, source: str = "127.0.0.1") -> httpx.Response:
         return client.post(f"{url}/v1/echo", content=b"hello", headers=headers, timeout=10)
 
 
+@pytest.mark.unit
 def test_half_header_connections_cannot_keep_a_keyed_request_out_and_are_closed_in_time():
     limits = ConnectionLimits(
         max_connections=100, max_connections_per_client=50, header_timeout=1.5
@@ -123,6 +126,7 @@ def test_half_header_connections_cannot_keep_a_keyed_request_out_and_are_closed_
         wait_until(lambda: guard.num_open == 0, 10, "no connection counted")
 
 
+@pytest.mark.unit
 def test_over_the_total_an_idle_connection_gives_way_and_busy_ones_get_503_naming_the_limit():
     limits = ConnectionLimits(max_connections=2, header_timeout=30)
 
@@ -152,6 +156,7 @@ def test_over_the_total_an_idle_connection_gives_way_and_busy_ones_get_503_namin
         assert httpx.post(f"{url}/v1/echo", content=b"x", timeout=10).status_code == 200
 
 
+@pytest.mark.unit
 def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout():
     limits = ConnectionLimits(keepalive_timeout=0.5)
     with proxy_in_thread(limits=limits) as (url, proxy), httpx.Client() as client:
@@ -170,6 +175,7 @@ def lowered_open_file_limit(soft: int):
         resource.setrlimit(resource.RLIMIT_NOFILE, saved)
 
 
+@pytest.mark.unit
 def test_the_soft_open_file_limit_is_raised_to_the_hard_one_and_caps_connections():
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard < 400:
@@ -182,6 +188,7 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one_and_caps_connections
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
 
 
+@pytest.mark.unit
 def test_the_health_loop_goes_on_after_an_error(monkeypatch):
     calls = []
 
@@ -209,6 +216,7 @@ def test_the_health_loop_goes_on_after_an_error(monkeypatch):
     asyncio.run(main())
 
 
+@pytest.mark.unit
 def test_the_replica_watcher_goes_on_through_emfile_access_denied_and_a_failed_spawn(
     monkeypatch,
 ):
@@ -290,6 +298,7 @@ class ClosingReplica:
         return web.Response(body=body)
 
 
+@pytest.mark.unit
 def test_a_request_on_a_stale_pooled_connection_is_sent_again_on_a_new_one():
     async def chunks():
         for i in range(20):
@@ -320,3 +329,53 @@ def test_a_request_on_a_stale_pooled_connection_is_sent_again_on_a_new_one():
             await replica.runner.cleanup()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_1100_idle_connections_against_serve_under_ulimit_1024(tmp_path):
+    """`serve` with two replicas, its open files limited to 1024: 1,100 connections that send
+    half a header neither stop it nor keep a keyed request out, and are closed in time."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"this test needs 1,400 open files of its own; the hard limit is {hard}")
+    if soft != resource.RLIM_INFINITY and soft < 1400:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    port = free_port()
+    config = {"port": port, "api_keys": [KEY], "limits": {"header_timeout": 2.0}}
+    (tmp_path / "serve.json").write_text(json.dumps(config))
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    command = [sys.executable, "-m", "tests.serve_fakes", "serve", str(tmp_path / "serve.json")]
+    with open(tmp_path / "serve.log", "wb") as log:
+        serve = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=limit_files,
+        )
+    url = f"http://127.0.0.1:{port}"
+    sockets: list[socket.socket] = []
+    try:
+        wait_healthy(url, serve, timeout=60)
+        opened = time.monotonic()
+        sockets = half_header_sockets(port, 1100, "127.0.0.1")
+        assert keyed_request(url).status_code == 200  # during
+        wait_until(
+            lambda: all([read_until_closed(s, {}) for s in sockets]),
+            2.0 + 10,
+            "every idle connection closed",
+        )
+        assert time.monotonic() - opened < 2.0 + 10
+        assert serve.poll() is None, (tmp_path / "serve.log").read_text()
+        assert keyed_request(url).status_code == 200  # after
+        assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+    finally:
+        for sock in sockets:
+            sock.close()
+        descendants = children_of(serve.pid)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0
+        wait_until(lambda: all(is_gone(p) for p in descendants), 30, "nothing left behind")
