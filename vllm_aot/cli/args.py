@@ -118,25 +118,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=limits.max_connections,
         help="client connections at once (at most what the open-file limit holds); a new one "
-        "takes the oldest idle one's place, or gets 503 where all are busy",
+        "takes the oldest idle one's place, or gets 503 where all are busy (default: %(default)s)",
     )
     g.add_argument(
         "--proxy-max-connections-per-client",
         type=int,
         default=limits.max_connections_per_client,
-        help="client connections at once from one address; more get 503",
+        help="client connections at once from one address, as above (default: %(default)s)",
     )
     g.add_argument(
         "--proxy-header-timeout",
         type=float,
         default=limits.header_timeout,
-        help="seconds a new connection has to send a whole request header",
+        help="seconds a new connection has to send a whole request header (default: %(default)s)",
     )
     g.add_argument(
         "--proxy-keepalive-timeout",
         type=float,
         default=limits.keepalive_timeout,
-        help="seconds a kept-alive connection may stay idle between requests",
+        help="seconds a kept-alive connection may stay idle between requests "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--expose-metrics",
