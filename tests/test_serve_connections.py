@@ -157,11 +157,14 @@ def test_over_the_total_an_idle_connection_gives_way_and_busy_ones_get_503_namin
 
 
 @pytest.mark.unit
-def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout():
-    limits = ConnectionLimits(keepalive_timeout=0.5)
-    with proxy_in_thread(limits=limits) as (url, proxy), httpx.Client() as client:
-        assert client.post(f"{url}/v1/echo", content=b"x").status_code == 200
+def test_a_request_outlasts_the_header_timeout_and_then_idles_out_after_the_keepalive_one():
+    limits = ConnectionLimits(header_timeout=0.3, keepalive_timeout=0.5)
+    with proxy_in_thread(limits=limits) as (url, proxy), httpx.Client(timeout=10) as client:
+        response = client.post(f"{url}/v1/stream", params={"n": "8"})  # 0.8 s
+        assert response.status_code == 200
+        assert response.text.endswith("data: [DONE]\n\n")
         assert proxy.guard.num_open == 1
+        assert proxy.guard.num_timed_out == 0
         wait_until(lambda: proxy.guard.num_open == 0, 10, "the idle connection closed")
 
 
