@@ -153,6 +153,9 @@ def test_over_the_total_an_idle_connection_gives_way_and_busy_ones_get_503_namin
         assert "at most 2, all busy (--proxy-max-connections)" in message
         done.set()
         wait_until(lambda: proxy.guard.num_open == 0, 10, "the streams ended")
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert "vllm_aot_proxy_connections_refused_total 1\n" in metrics
+        assert "vllm_aot_proxy_connections_evicted_total 1\n" in metrics
         assert httpx.post(f"{url}/v1/echo", content=b"x", timeout=10).status_code == 200
 
 

@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vllm_aot.serve.metrics import CounterFamily
+
 logger = logging.getLogger(__name__)
 
 RESERVED_FILES = 64  # descriptors kept for everything but client connections
@@ -139,6 +141,32 @@ class ConnectionGuard:
                 connection.num_requests -= 1
 
         return request_received
+
+    def counter_families(self) -> list[CounterFamily]:
+        prefix = "vllm_aot_proxy_connections"
+        return [
+            CounterFamily(
+                f"{prefix}_open", "gauge", "Client connections open.", {None: self.num_open}
+            ),
+            CounterFamily(
+                f"{prefix}_refused_total",
+                "counter",
+                "Client connections answered 503 at a connection limit (all busy).",
+                {None: self.num_refused},
+            ),
+            CounterFamily(
+                f"{prefix}_evicted_total",
+                "counter",
+                "Idle client connections closed for a new one at a connection limit.",
+                {None: self.num_evicted},
+            ),
+            CounterFamily(
+                f"{prefix}_header_timeouts_total",
+                "counter",
+                "Client connections closed without a whole request header in time.",
+                {None: self.num_timed_out},
+            ),
+        ]
 
     def make_room(self, client: str) -> str | None:
         """Room for a new connection from `client`: where it is at a limit, the oldest idle

@@ -251,7 +251,8 @@ class Proxy:
         merged = merge_expositions(
             {str(r.index): t for r, t in zip(self.pool.replicas, texts, strict=True) if t}
         )
-        own = "".join(f.render() for f in self.pool.counter_families())
+        families = [*self.pool.counter_families(), *self.guard.counter_families()]
+        own = "".join(f.render() for f in families)
         return web.Response(text=merged + own, content_type="text/plain", charset="utf-8")
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
