@@ -11,7 +11,8 @@ SIGTERM, as an engine process that outlives its server would. `--on-sigterm exit
 answers 503 while `--sick-file` exists (`{port}` in it is replaced by the replica's port).
 
 `serve`: `serve_replicas` (the real proxy and replica manager) over fake replicas; CONFIG_JSON
-holds `port`, `num_replicas`, `replica_args`, and the policy and proxy numbers to use.
+holds `port`, `num_replicas`, `replica_args`, and the policy, proxy and connection-limit numbers
+to use.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def replica_command(port: int, replica_args: list[str]) -> tuple[str, ...]:
 def run_serve(config: dict) -> int:
     from vllm_aot.processes import free_port
     from vllm_aot.serve.auth import ApiKeys
+    from vllm_aot.serve.connections import ConnectionLimits
     from vllm_aot.serve.launch import serve_replicas
     from vllm_aot.serve.proxy import ProxyConfig
     from vllm_aot.serve.replicas import ReplicaSpec, RestartPolicy
@@ -97,6 +99,7 @@ def run_serve(config: dict) -> int:
         health_interval=config.get("health_interval", 0.2),
         health_timeout=config.get("health_timeout", 0.5),
         api_keys=ApiKeys.of(config.get("api_keys", [])),
+        limits=ConnectionLimits(**config.get("limits", {})),
     )
     policy = RestartPolicy(**config.get("policy", {}))
     grace = config.get("stop_grace", 10.0)

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,6 +88,19 @@ def exclusive_lock(path: Path, *, what: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user may enter (mode 0700): made where missing, its mode
+    tightened where it is ours; PermissionError where it is another user's or no directory."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of this user's")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
 
 
 def remove_staging_leftovers(target: Path) -> list[Path]:

@@ -17,6 +17,17 @@ def cache_root() -> Path:
     return base / "vllm-aot"
 
 
+def runtime_dir() -> Path:
+    """Files of this user's running processes (engine stats), in a directory only the user may
+    enter (`VLLM_AOT_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/vllm-aot`, else `<cache root>/run`;
+    `files.private_dir` makes it)."""
+    configured = os.environ.get("VLLM_AOT_RUNTIME_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "vllm-aot" if xdg else cache_root() / "run"
+
+
 def models_dir() -> Path:
     """Prepared HF model directories (`VLLM_AOT_MODELS_DIR`, default `<cache root>/models`)."""
     configured = os.environ.get("VLLM_AOT_MODELS_DIR")

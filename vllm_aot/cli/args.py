@@ -10,6 +10,7 @@ from pathlib import Path
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
 from vllm_aot.models.prepare import DEFAULT_MODEL_NAME
 from vllm_aot.runtime.options import OPTIONS, Option
+from vllm_aot.serve.connections import ConnectionLimits
 
 # serve flags given their default when left out (the others: None, so a choice can fill them).
 _SERVE_DEFAULTED = ("tensor_parallel_size", "backend")
@@ -111,6 +112,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--proxy-connect-timeout", type=float, default=5.0, help="seconds")
     g.add_argument("--proxy-read-timeout", type=float, default=600.0, help="seconds of silence")
     g.add_argument("--proxy-health-interval", type=float, default=2.0, help="seconds")
+    limits = ConnectionLimits()
+    g.add_argument(
+        "--proxy-max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="client connections at once (at most what the open-file limit holds); a new one "
+        "takes the oldest idle one's place, or gets 503 where all are busy (default: %(default)s)",
+    )
+    g.add_argument(
+        "--proxy-max-connections-per-client",
+        type=int,
+        default=limits.max_connections_per_client,
+        help="client connections at once from one address, as above (default: %(default)s)",
+    )
+    g.add_argument(
+        "--proxy-header-timeout",
+        type=float,
+        default=limits.header_timeout,
+        help="seconds a new connection has to send a whole request header (default: %(default)s)",
+    )
+    g.add_argument(
+        "--proxy-keepalive-timeout",
+        type=float,
+        default=limits.keepalive_timeout,
+        help="seconds a kept-alive connection may stay idle between requests "
+        "(default: %(default)s)",
+    )
     g.add_argument(
         "--expose-metrics",
         action="store_true",

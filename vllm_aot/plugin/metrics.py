@@ -3,7 +3,10 @@
 The worker runs in the engine-core process and vLLM's `/metrics` is served by the front end, so
 the worker keeps its counters in one small JSON file (path chosen by the front end, passed in our
 options; `StatsFile`) and a collector registered in the front end's registry reads it at each
-scrape (`StatsCollector`). The file is rewritten whole, staged then renamed: at start-up, then by
+scrape (`StatsCollector`). The file is `stats-<front end pid>.json` in this user's private
+runtime directory (`new_stats_path`: mode 0700, files of processes gone removed at start); a
+file that cannot be read or makes no sense gives zeros and one warning, never a broken
+`/metrics`. The file is rewritten whole, staged then renamed: at start-up, then by
 a background thread at most once a second while the counters change, and once when the worker
 shuts down (if vLLM lets it: its default `--shutdown-timeout 0` kills the engine, and the front
 end goes with it). A scrape lags the engine by up to a second.
@@ -39,9 +42,11 @@ its tokens are every row's newest and drafts, padded to k + 1 a row) or `encode`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,8 +61,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from vllm_aot.files import write_json_atomic
+from vllm_aot.files import private_dir, remove_staging_leftovers, write_json_atomic
 from vllm_aot.loading.program_sources import LoadReport
+from vllm_aot.paths import runtime_dir
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.model import CompiledModel
 from vllm_aot.runtime.step_stats import LAYER_KINDS
@@ -183,11 +189,51 @@ class StatsFile:
         self._written = steps
 
 
-def read_stats(path: str | Path) -> dict[str, Any]:
+def new_stats_path() -> Path | None:
+    """Where this front end's engine reports its counters (removed at exit): in this user's
+    private runtime directory, whose files of processes gone (killed) are removed first. None,
+    with a warning, where that directory cannot be had: no engine stats then."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        directory = private_dir(runtime_dir() / "stats")
+    except OSError as exc:
+        logger.warning("vllm-aot: no engine stats on /metrics: %s (VLLM_AOT_RUNTIME_DIR)", exc)
+        return None
+    remove_stale_stats(directory)
+    path = directory / f"stats-{os.getpid()}.json"
+    atexit.register(path.unlink, missing_ok=True)
+    return path
+
+
+def remove_stale_stats(directory: Path) -> list[Path]:
+    """Remove the stats files in `directory` (and their staging leftovers) whose front end is
+    gone; returns the files."""
+    stale = []
+    for path in directory.glob("stats-*.json"):
+        pid = path.stem.removeprefix("stats-")
+        if pid.isdigit() and not _is_running(int(pid)):
+            remove_staging_leftovers(path)
+            path.unlink(missing_ok=True)
+            stale.append(path)
+    return stale
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def read_stats(path: str | Path) -> dict[str, Any]:
+    """The stats file's counters; {} where it is missing or no JSON object."""
+    try:
+        stats = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    return stats if isinstance(stats, dict) else {}
 
 
 def _slot_family(name: str, help_text: str, steps: dict, field: str) -> CounterMetricFamily:
@@ -275,19 +321,39 @@ def _load_families(load: dict[str, Any]) -> Iterator[Metric]:
         yield CounterMetricFamily(f"vllm_aot:{name}", help_text, value=load.get(key, 0))
 
 
+def _families(stats: dict[str, Any]) -> list[Metric]:
+    families = [*_load_families(stats.get("load", {})), *_step_families(stats)]
+    for family in families:  # what the exposition will need of each sample
+        for sample in family.samples:
+            float(sample.value)
+            if not all(isinstance(v, str) for v in sample.labels.values()):
+                raise TypeError(f"a label of {sample.name} is no string: {sample.labels}")
+    return families
+
+
 class StatsCollector:
-    """Exposes the worker's counters (zero until the worker has written them)."""
+    """Exposes the worker's counters (zero until the worker has written them, and where the
+    file makes no sense: with one warning)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = path
+        self._is_warned = False
 
     def collect(self) -> Iterator[Metric]:
-        stats = read_stats(self.path)
-        yield from _load_families(stats.get("load", {}))
-        yield from _step_families(stats)
+        try:
+            families = _families(read_stats(self.path))
+        except Exception as exc:  # a broken or forged file: zeros, never a broken /metrics
+            if not self._is_warned:
+                logger.warning("vllm-aot: engine stats in %s unreadable: %r", self.path, exc)
+                self._is_warned = True
+            families = _families({})
+        yield from families
 
 
-def register_collector(path: str | Path) -> None:
-    """Add the collector to this process's registry (once: a second call is a no-op)."""
+def register_collector(path: str | Path | None) -> None:
+    """Add the collector to this process's registry (once: a second call is a no-op; none
+    without a path)."""
+    if path is None:
+        return
     with contextlib.suppress(ValueError):  # already registered in this process
         REGISTRY.register(StatsCollector(path))

@@ -16,9 +16,6 @@ and `check_artifact`.
 
 from __future__ import annotations
 
-import atexit
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -258,7 +255,10 @@ def resolve_engine_options(vllm_config, *, is_async: bool) -> AotOptions:
     parallel = vllm_config.parallel_config
     decided = {"draft_model": draft_model_path(vllm_config.speculative_config)}
     if extra.get("stats_file") is None:
-        decided["stats_file"] = _stats_file()
+        from vllm_aot.plugin.metrics import new_stats_path
+
+        path = new_stats_path()
+        decided["stats_file"] = None if path is None else str(path)
     if is_async and parallel.world_size == 1:  # steps on their thread
         _, decided["front_end_cores"] = split_front_end(  # the engine's cores: it forks from here
             available_cores(), is_lowered=front_end_nice() > 0
@@ -291,13 +291,6 @@ def convert_type(model_config) -> str | None:
     """vLLM's --convert as the runtime names it: None for a model served as it is."""
     convert = model_config.convert_type
     return None if convert in (None, "none") or model_config.runner_type != "pooling" else convert
-
-
-def _stats_file() -> str:
-    """Where this front end's engine reports its start-up counters (removed at exit)."""
-    path = Path(tempfile.gettempdir()) / f"vllm-aot-stats-{os.getpid()}.json"
-    atexit.register(path.unlink, missing_ok=True)
-    return str(path)
 
 
 def _refuse_uncached(model: str, options) -> None:

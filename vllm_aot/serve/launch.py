@@ -36,6 +36,7 @@ from vllm_aot.placement import (
 from vllm_aot.plugin.engine_flags import parse_vllm_flags
 from vllm_aot.plugin.front_end import NICE_ENV
 from vllm_aot.serve.auth import ApiKeys
+from vllm_aot.serve.connections import ConnectionLimits, raise_open_file_limit
 from vllm_aot.serve.pool import ReplicaPool
 from vllm_aot.serve.proxy import CANCEL_SECONDS, Proxy, ProxyConfig
 from vllm_aot.serve.replicas import (
@@ -169,6 +170,12 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
             health_interval=args.proxy_health_interval,
             api_keys=ApiKeys.from_vllm_flags(tuple(passthrough), os.environ),
             is_metrics_public=args.expose_metrics,
+            limits=ConnectionLimits(
+                max_connections=args.proxy_max_connections,
+                max_connections_per_client=args.proxy_max_connections_per_client,
+                header_timeout=args.proxy_header_timeout,
+                keepalive_timeout=args.proxy_keepalive_timeout,
+            ),
         )
         policy = RestartPolicy(
             max_restarts=args.max_restarts,
@@ -235,6 +242,7 @@ async def serve_replicas(
     """Proxy + replicas until a signal (exit 0), a failed start-up or every replica down (1)."""
     logging.basicConfig(level=logging.INFO, format="vllm-aot serve: %(message)s")
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    raise_open_file_limit()  # idle clients must not leave serving without descriptors
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -181,7 +181,7 @@ async def check_replica(
                 pool.admit(replica)
                 return True
             problem = f"/health answered {response.status}"
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:  # OSError: EMFILE, say
         problem = f"/health failed: {type(exc).__name__} {exc}".strip()
     pool.record_failed_check(replica, problem)
     return False
@@ -190,8 +190,16 @@ async def check_replica(
 async def health_loop(
     session: aiohttp.ClientSession, pool: ReplicaPool, *, interval: float, timeout: float
 ) -> None:
-    """Check every replica concurrently each `interval` seconds, forever (cancel to stop)."""
+    """Check every replica concurrently each `interval` seconds, forever (cancel to stop). An
+    error in a round is logged (once while it repeats) and the next round goes on."""
+    last_error = None
     while True:
         checked = [r for r in pool.replicas if not r.is_retired]
-        await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in checked))
+        try:
+            await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in checked))
+            last_error = None
+        except Exception as exc:
+            if repr(exc) != last_error:
+                logger.exception("health checks failed; they go on")
+            last_error = repr(exc)
         await asyncio.sleep(interval)

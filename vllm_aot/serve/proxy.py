@@ -1,16 +1,23 @@
 """Load-aware reverse proxy in front of the replicas (aiohttp), on the public port.
 
-Bodies stream both ways in chunks as they arrive; nothing is buffered whole. `/health` and
-`/metrics` are the proxy's own (aggregated); every other path is forwarded to one replica with
-its headers. With API keys every path but `/health` (and `/metrics` when public) needs one,
-checked here before anything is forwarded (`serve/auth.py`).
+Bodies stream both ways in chunks as they arrive; nothing is buffered whole (a request body's
+first `REPLAY_BYTES` are kept, to send it again: see below). `/health` and `/metrics` are the
+proxy's own (aggregated); every other path is forwarded to one replica with its headers. With
+API keys every path but `/health` (and `/metrics` when public) needs one, checked here before
+anything is forwarded (`serve/auth.py`). Client connections are capped and timed before aiohttp
+sees them (`serve/connections.py`).
 
-Failures: a request whose connection could not be opened (nothing sent) is retried once on
-another replica; once sent it is never retried. A replica that fails before answering gives the
-client 502 (504 on a timeout); one that fails mid-stream ends an event stream with an SSE error
-event (what vLLM itself sends) and drops any other response's connection, so a client never
-mistakes a cut body for a whole one. A client that disconnects cancels its handler, which closes
-the upstream connection, so vLLM aborts the request and frees its slot.
+Failures: a request is retried once at most. One whose connection could not be opened (nothing
+sent) is retried on another replica. One sent on a reused kept-alive connection that closed
+before any byte of an answer came (`ServerDisconnectedError`, a reset: the replica had closed
+it, as a restarted replica has; a new connection that does so is a replica failing, and is not
+retried, so one request cannot take down two replicas) is sent again on a new connection
+(`_fresh`: never a pooled one), when the body read so far fits `REPLAY_BYTES` (kept for that).
+Any other failure is not retried. A replica that fails before answering gives the client 502
+(504 on a timeout); one that fails mid-stream ends an event stream with an SSE error event (what
+vLLM itself sends) and drops any other response's connection, so a client never mistakes a cut
+body for a whole one. A client that disconnects cancels its handler, which closes the upstream
+connection, so vLLM aborts the request and frees its slot.
 
 Stopping (`stop_accepting`, `drain`, `stop`): the listening socket closes and kept-alive
 connections close after their current response; requests in flight carry on until their replica
@@ -30,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from vllm_aot.serve.auth import ApiKeys, authentication
+from vllm_aot.serve.connections import ConnectionGuard, ConnectionLimits, fitting_limits
 from vllm_aot.serve.metrics import merge_expositions
 from vllm_aot.serve.pool import ReplicaPool, ReplicaState, health_loop
 
@@ -53,6 +61,7 @@ REPLICA_HEADER = "X-Vllm-Aot-Replica"
 # How long requests still in flight get to end once their replica is gone, and cancelled
 # handlers to close their connections, when the proxy stops.
 CANCEL_SECONDS = 1.0
+REPLAY_BYTES = 1024 * 1024  # request bodies up to this are kept to send again (see above)
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class ProxyConfig:
     health_timeout: float = 2.0
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the proxy checks no key
     is_metrics_public: bool = False  # /metrics without a key even when keys are required
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # client connections
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "connect_timeout", "read_timeout", "health_interval"):
@@ -77,22 +87,42 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _NoAnswer(Exception):
+    """A reused connection closed before any byte of an answer: safe to send again."""
+
+
+async def _note_reuse(session, context, params) -> None:
+    if isinstance(context.trace_request_ctx, dict):  # `_send`'s record of its attempt
+        context.trace_request_ctx["reused"] = True
+
+
 class _RequestBody:
-    """The client's body as an async iterator of chunks, counted against the limit."""
+    """The client's body as an async iterator of chunks, counted against the limit. Each
+    iteration starts over: the chunks kept (while they fit `REPLAY_BYTES`), then the rest."""
 
     def __init__(self, content: aiohttp.StreamReader, limit: int) -> None:
         self._content, self._limit = content, limit
         self.num_bytes = 0
-        self.is_started = False
         self.is_too_large = False
+        self._kept: list[bytes] | None = []  # None once the body outgrew REPLAY_BYTES
+
+    @property
+    def can_resend(self) -> bool:
+        return self._kept is not None and not self.is_too_large
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        self.is_started = True
+        for chunk in list(self._kept or ()):
+            yield chunk
         async for chunk in self._content.iter_any():
             self.num_bytes += len(chunk)
             if self.num_bytes > self._limit:
                 self.is_too_large = True
                 raise _BodyTooLarge
+            if self._kept is not None:
+                if self.num_bytes <= REPLAY_BYTES:
+                    self._kept.append(chunk)
+                else:
+                    self._kept = None
             yield chunk
 
 
@@ -112,24 +142,35 @@ class Proxy:
     def __init__(self, pool: ReplicaPool, config: ProxyConfig) -> None:
         self.pool, self.config = pool, config
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard = ConnectionGuard(fitting_limits(config.limits))
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # a new connection each request
         self._health_task: asyncio.Task | None = None
         self._in_flight: set[asyncio.Task] = set()  # forward() handlers running now
         self.is_stopping = False
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.config.connect_timeout, sock_read=None
-            ),
+        reuse_trace = aiohttp.TraceConfig()
+        reuse_trace.on_connection_reuseconn.append(_note_reuse)
+        self._session, self._fresh = (
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=force_close),
+                trace_configs=[reuse_trace],
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.config.connect_timeout, sock_read=None
+                ),
+            )
+            for force_close in (False, True)
         )
         public = [self.handle_health]
         if self.config.is_metrics_public:
             public.append(self.handle_metrics)
         keys = self.config.api_keys
-        middlewares = [authentication(keys, public)] if keys.is_required else []
+        middlewares = [self.guard.middleware()]  # first: a request stops its header watchdog
+        if keys.is_required:
+            middlewares.append(authentication(keys, public))
         app = web.Application(middlewares=middlewares)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -138,10 +179,17 @@ class Proxy:
         # the replica is silent (prefill), instead of at the next write. shutdown_timeout: stop()
         # comes after drain(), so whatever is still running then is cancelled promptly.
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=CANCEL_SECONDS
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=CANCEL_SECONDS,
+            keepalive_timeout=self.guard.limits.keepalive_timeout,
         )
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        # Clients connect through the guard (serve/connections.py), then reach aiohttp.
+        self._listener = await asyncio.get_running_loop().create_server(
+            self.guard.wrap(self._runner.server), self.config.host, self.config.port, backlog=128
+        )
         self._health_task = asyncio.create_task(
             health_loop(
                 self._session,
@@ -159,11 +207,10 @@ class Proxy:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        if self._runner:
-            for site in list(self._runner.sites):
-                await site.stop()
-            if self._runner.server:
-                self._runner.server.pre_shutdown()
+        if self._listener:
+            self._listener.close()
+        if self._runner and self._runner.server:
+            self._runner.server.pre_shutdown()
 
     async def drain(self, timeout: float) -> int:
         """Wait up to `timeout` s for the requests in flight to end; returns how many remain."""
@@ -181,8 +228,9 @@ class Proxy:
         if self._runner:
             await self._runner.cleanup()
             self._runner = None
-        if self._session:
-            await self._session.close()
+        for session in (self._session, self._fresh):
+            if session:
+                await session.close()
 
     async def handle_health(self, request: web.Request) -> web.Response:
         report = self.pool.health_report()
@@ -203,7 +251,8 @@ class Proxy:
         merged = merge_expositions(
             {str(r.index): t for r, t in zip(self.pool.replicas, texts, strict=True) if t}
         )
-        own = "".join(f.render() for f in self.pool.counter_families())
+        families = [*self.pool.counter_families(), *self.guard.counter_families()]
+        own = "".join(f.render() for f in families)
         return web.Response(text=merged + own, content_type="text/plain", charset="utf-8")
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -222,37 +271,52 @@ class Proxy:
         if request.content_length is not None and request.content_length > limit:
             return _error(413, f"request body of {request.content_length} bytes exceeds {limit}")
         body = _RequestBody(request.content, limit)
-        tried: set[int] = set()
+        exclude: frozenset[int] = frozenset()
+        is_retry = False
         while True:
-            replica = self.pool.choose(frozenset(tried))
+            replica = self.pool.choose(exclude)
             if replica is None:
                 return _error(503, "no healthy replica", headers={"Retry-After": "1"})
-            tried.add(replica.index)
             replica.num_in_flight += 1
             replica.num_requests += 1
             try:
-                return await self._send(request, replica, body)
+                return await self._send(request, replica, body, may_resend=not is_retry)
             except aiohttp.ClientConnectorError as exc:
                 # The connection never opened, so nothing was sent: safe to try elsewhere.
                 replica.num_errors += 1
                 self.pool.eject(replica, f"connect failed: {exc}")
-                if len(tried) > 1 or body.is_started:
+                if is_retry or not body.can_resend:
                     return _error(502, f"replica {replica.index} unreachable: {exc}")
-                self.pool.num_retries += 1
+                exclude = frozenset({replica.index})
+            except _NoAnswer as exc:
+                replica.num_errors += 1
+                logger.info(
+                    "replica %d closed the connection unanswered (%s); resending",
+                    replica.index,
+                    exc,
+                )
             finally:
                 replica.num_in_flight -= 1
+            is_retry = True
+            self.pool.num_retries += 1
 
     async def _send(
-        self, request: web.Request, replica: ReplicaState, body: _RequestBody
+        self, request: web.Request, replica: ReplicaState, body: _RequestBody, *, may_resend: bool
     ) -> web.StreamResponse:
+        """Send `request` to `replica` and stream the answer back; raises
+        ClientConnectorError (nothing sent), or _NoAnswer when `may_resend` and a reused
+        connection closed before any byte of an answer, with the body still kept."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         if request.remote:
             headers["X-Forwarded-For"] = request.remote
+        attempt = {"reused": False}
         try:
-            upstream = await self._session.request(
+            session = self._session if may_resend else self._fresh
+            upstream = await session.request(
                 request.method,
                 f"{replica.url}{request.rel_url}",
                 headers=headers,
+                trace_request_ctx=attempt,
                 data=body if request.body_exists else None,
                 allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(
@@ -264,6 +328,10 @@ class Proxy:
         except aiohttp.ClientConnectorError:
             raise
         except (aiohttp.ClientError, TimeoutError, _BodyTooLarge) as exc:
+            is_unanswered = isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+            may_resend = may_resend and attempt["reused"] and not self.is_stopping
+            if is_unanswered and may_resend and body.can_resend:
+                raise _NoAnswer(f"{type(exc).__name__} {exc}") from exc
             if body.is_too_large:
                 return _error(413, f"request body exceeds {self.config.max_body_bytes} bytes")
             replica.num_errors += 1

@@ -14,6 +14,10 @@ descendants and goes the same way. After `max_restarts` failures in a row it sta
 replica that exits during the first start-up is not restarted: start-up fails fast and stops
 every replica.
 
+Nothing stops the watching but every replica being down for good: an error while looking at
+processes (EMFILE, psutil's AccessDenied under a `/proc` mounted `hidepid`, anything) is logged
+and the next look goes on; a restart that cannot spawn is tried again after the next backoff.
+
 Nothing here blocks the event loop: signals are sent at once, and waiting for processes to exit
 (psutil's polling) runs in a worker thread, so the proxy keeps answering meanwhile.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import subprocess
 import sys
@@ -35,6 +40,8 @@ import psutil
 from vllm_aot.placement import pin_process
 from vllm_aot.processes import parent_death_signal
 from vllm_aot.serve.pool import ReplicaPool
+
+logger = logging.getLogger(__name__)
 
 STOP_GRACE_SECONDS = 10.0  # SIGTERM -> SIGKILL when serving stops
 ORPHAN_GRACE_SECONDS = 2.0  # SIGTERM -> SIGKILL for what a dead replica left behind
@@ -88,8 +95,9 @@ def _pin_and_tie(cores: tuple[int, ...]) -> Callable[[], None]:
 
 def _send(processes: list[psutil.Process], signum: int) -> None:
     for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(signum)  # psutil refuses a pid reused by another process
+        # psutil refuses a pid reused by another process; one we may not signal is left be.
+        with contextlib.suppress(psutil.Error, OSError):
+            process.send_signal(signum)
 
 
 def _is_alive(process: psutil.Process) -> bool:
@@ -97,6 +105,8 @@ def _is_alive(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+    except (psutil.Error, OSError):
+        return True  # there, but not ours to read
 
 
 def _stop_trees(trees: list[list[psutil.Process]], *, grace: float) -> list[int]:
@@ -190,40 +200,65 @@ class ReplicaManager:
         for index, process in enumerate(self._processes):
             if process is None or process.poll() is not None:
                 continue
-            with contextlib.suppress(psutil.NoSuchProcess):
+            try:
                 root = psutil.Process(process.pid)
                 known = {p.pid for p in self._trees[index]}
                 children = root.children(recursive=True)
-                self._trees[index] += [p for p in children if p.pid not in known]
+            except psutil.NoSuchProcess:
+                continue
+            except (psutil.Error, OSError) as exc:  # hidepid, EMFILE: the next look may see
+                logger.warning("could not list replica %d's processes: %r", index, exc)
+                continue
+            self._trees[index] += [p for p in children if p.pid not in known]
 
     async def watch(self) -> None:
         """Notice exits and hangs, eject, restart on schedule; returns when every replica is
-        down for good. Cancel it to stop watching."""
-        tick = 0
+        down for good. Cancel it to stop watching. An error in a look is logged (once while it
+        repeats) and the next look goes on."""
+        tick, last_error = 0, None
         while True:
-            now = time.monotonic()
-            for index, process in enumerate(self._processes):
-                replica = self.pool.replicas[index]
-                if process is None:
-                    if self._restart_at[index] is not None and now >= self._restart_at[index]:
-                        self._restart_at[index] = None
-                        self.num_restarts += 1
-                        self._spawn(index)
-                elif process.poll() is not None:
-                    await self._on_exit(index, process.returncode)
-                elif (hang := self._hang(index, now)) is not None:
-                    self._kill(index, hang)
-                elif replica.is_started and replica.failing_since is None:
-                    self._failures[index] = 0
+            try:
+                await self._look(tick)
+                last_error = None
+            except Exception as exc:
+                if repr(exc) != last_error:
+                    logger.exception("watching the replicas failed; it goes on")
+                last_error = repr(exc)
             if all(
                 p is None and t is None
                 for p, t in zip(self._processes, self._restart_at, strict=True)
             ):
                 return
             tick += 1
-            if tick % 5 == 0:
-                self._snapshot_trees()
             await asyncio.sleep(0.2)
+
+    async def _look(self, tick: int) -> None:
+        """One look at every replica: restart those due, handle exits and hangs."""
+        now = time.monotonic()
+        for index, process in enumerate(self._processes):
+            replica = self.pool.replicas[index]
+            if process is None:
+                if self._restart_at[index] is not None and now >= self._restart_at[index]:
+                    self._restart(index)
+            elif process.poll() is not None:
+                await self._on_exit(index, process.returncode)
+            elif (hang := self._hang(index, now)) is not None:
+                self._kill(index, hang)
+            elif replica.is_started and replica.failing_since is None:
+                self._failures[index] = 0
+        if tick % 5 == 4:
+            self._snapshot_trees()
+
+    def _restart(self, index: int) -> None:
+        self.num_restarts += 1
+        try:
+            self._spawn(index)
+        except OSError as exc:  # EMFILE, ENOMEM: try again after the next backoff
+            delay = self.policy.backoff(max(1, self._failures[index]))
+            self._restart_at[index] = time.monotonic() + delay
+            _say(f"replica {index} could not start ({exc}); trying again in {delay:.0f} s")
+            return
+        self._restart_at[index] = None
 
     def _hang(self, index: int, now: float) -> str | None:
         """Why replica `index` (alive) counts as hung, or None: failing /health for
