@@ -8,7 +8,9 @@
 (`/v1/stream`, one event per `delay` s) and a catch-all. `--engine` starts a child that ignores
 SIGTERM, as an engine process that outlives its server would. `--on-sigterm exit` leaves at once
 (vLLM aborts its requests on SIGTERM), `ignore` never does (only SIGKILL ends it). Its /health
-answers 503 while `--sick-file` exists (`{port}` in it is replaced by the replica's port).
+answers 503 while `--sick-file` exists (`{port}` in it is replaced by the replica's port). With
+the replica key in its environment it answers 401 to any request without it, as a vLLM replica
+with the replica-key middleware does.
 
 `serve`: `serve_replicas` (the real proxy and replica manager) over fake replicas; CONFIG_JSON
 holds `port`, `num_replicas`, `replica_args`, and the policy and proxy numbers to use.
@@ -55,10 +57,24 @@ async def anything(request: web.Request) -> web.Response:
     return web.json_response({"path": request.path, "pid": os.getpid()})
 
 
+def replica_key_check():
+    from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV, REPLICA_KEY_HEADER
+
+    key = os.environ.get(REPLICA_KEY_ENV)
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if key and request.headers.get(REPLICA_KEY_HEADER) != key:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 def run_replica(port: int, on_sigterm: str, has_engine: bool, sick_file: Path | None) -> None:
     if has_engine:
         subprocess.Popen([sys.executable, "-c", ENGINE])
-    app = web.Application()
+    app = web.Application(middlewares=[replica_key_check()])
     app.router.add_get("/health", health(sick_file))
     app.router.add_post("/v1/echo", echo)
     app.router.add_post("/v1/stream", stream)
@@ -82,21 +98,27 @@ def replica_command(port: int, replica_args: list[str]) -> tuple[str, ...]:
 def run_serve(config: dict) -> int:
     from vllm_aot.processes import free_port
     from vllm_aot.serve.auth import ApiKeys
-    from vllm_aot.serve.launch import serve_replicas
+    from vllm_aot.serve.launch import new_replica_key, replica_launch, serve_replicas
     from vllm_aot.serve.proxy import ProxyConfig
     from vllm_aot.serve.replicas import ReplicaSpec, RestartPolicy
 
     cores = tuple(sorted(os.sched_getaffinity(0)))
+    replica_key = new_replica_key()
     specs = []
     for index in range(config.get("num_replicas", 2)):
         port = free_port()
-        command = replica_command(port, config.get("replica_args", []))
-        specs.append(ReplicaSpec(index, port, cores, command, dict(os.environ)))
+        command, env = replica_launch(
+            list(replica_command(port, config.get("replica_args", []))),
+            dict(os.environ),
+            replica_key,
+        )
+        specs.append(ReplicaSpec(index, port, cores, tuple(command), env))
     proxy_config = ProxyConfig(
         port=config["port"],
         health_interval=config.get("health_interval", 0.2),
         health_timeout=config.get("health_timeout", 0.5),
         api_keys=ApiKeys.of(config.get("api_keys", [])),
+        replica_key=replica_key,
     )
     policy = RestartPolicy(**config.get("policy", {}))
     grace = config.get("stop_grace", 10.0)

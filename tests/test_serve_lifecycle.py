@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,8 +43,15 @@ class Served:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
+    def replica_port(self, index: int) -> str:
+        """Replica `index`'s port, from serve's log (its /health names no address)."""
+        starts = re.findall(
+            rf"replica {index} \(pid \d+\) on .*:(\d+)$", self.log.read_text(), re.M
+        )
+        return starts[-1]
+
     def replica_process(self, index: int) -> psutil.Process:
-        port = self.health()["replicas"][index]["url"].rsplit(":", 1)[1]
+        port = self.replica_port(index)
         return next(p for p in self.descendants() if port in cmdline_of(p))
 
     def all_gone(self) -> bool:
@@ -205,7 +213,7 @@ def test_a_restart_that_never_becomes_healthy_is_killed_then_left_down(tmp_path)
     policy = {"start_timeout": 5.0, "max_restarts": 1}
     sick_files = str(tmp_path / "sick-{port}")
     with fake_serve(tmp_path, replica_args=["--sick-file", sick_files], policy=policy) as served:
-        port = served.health()["replicas"][1]["url"].rsplit(":", 1)[1]
+        port = served.replica_port(1)
         Path(sick_files.format(port=port)).touch()  # replica 1's next process answers 503
         served.replica_process(1).kill()
         wait_until(lambda: "leaving it down" in served.log.read_text(), 60, "replica 1 given up")

@@ -11,6 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from vllm_aot.plugin.engine_flags import parse_vllm_flags
+from vllm_aot.plugin.server_guard import REPLICA_KEY_HEADER, CorsSettings
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.pool import ReplicaPool
 from vllm_aot.serve.proxy import REPLICA_HEADER, Proxy, ProxyConfig
@@ -36,6 +38,7 @@ class FakeReplica:
     """A replica stand-in: /health, /metrics, an echo, a slow SSE stream, a mid-stream death."""
 
     index: int
+    required_key: str | None = None  # the replica key, when this replica requires one
     port: int = field(default_factory=free_port)
     is_healthy: bool = True
     num_aborted: int = 0
@@ -44,7 +47,7 @@ class FakeReplica:
     runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self.check_key])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/echo", self.echo)
@@ -58,6 +61,12 @@ class FakeReplica:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+
+    @web.middleware
+    async def check_key(self, request, handler):
+        if self.required_key and request.headers.get(REPLICA_KEY_HEADER) != self.required_key:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def health(self, request):
         return web.Response(status=200 if self.is_healthy else 503)
@@ -116,7 +125,7 @@ async def proxied(num_replicas: int = 2, **config):
 @contextlib.asynccontextmanager
 async def proxied_with_proxy(num_replicas: int = 2, **config):
     """`proxied`, and the proxy itself (to stop it as serving stops)."""
-    replicas = [FakeReplica(i) for i in range(num_replicas)]
+    replicas = [FakeReplica(i, config.get("replica_key")) for i in range(num_replicas)]
     for replica in replicas:
         await replica.start()
     pool = ReplicaPool.from_urls([f"http://127.0.0.1:{r.port}" for r in replicas])
@@ -366,5 +375,100 @@ def test_health_is_public_and_metrics_only_when_exposed():
                 assert "vllm_aot_proxy_requests_total" in await response.text()
             async with client.post("/v1/echo", data=b"x") as response:
                 assert response.status == 401
+
+    run(main())
+
+
+def test_keys_from_a_config_file_or_an_abbreviation_are_enforced(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: from-yaml\n")
+
+    given = {"from-yaml": ("--config", str(config)), "short": ("--api-k", "short")}
+    # vLLM's parser (imported on the first call) outside the test's 30 s
+    parsed = {
+        key: ApiKeys.from_vllm(parse_vllm_flags(args).api_key, {}) for key, args in given.items()
+    }
+
+    async def main():
+        for key, keys in parsed.items():
+            async with proxied(api_keys=keys) as (client, replicas, _):
+                async with client.post("/invocations", data=b"x") as response:
+                    assert response.status == 401
+                assert [p for r in replicas for p in r.seen_paths] == []
+                headers = {"Authorization": f"Bearer {key}"}
+                async with client.post("/invocations", data=b"x", headers=headers) as response:
+                    assert response.status == 200
+
+    run(main())
+
+
+def test_options_needs_a_key_and_preflights_are_answered_by_the_proxy():
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+
+    async def main():
+        cors = CorsSettings(allowed_origins=("https://app.example",))
+        async with proxied(api_keys=ApiKeys.of(["k"]), cors=cors) as (client, replicas, _):
+            for path in ("/metrics", "/v1/echo", "/tokenize"):
+                async with client.options(path) as response:
+                    assert response.status == 401
+                    assert "vllm" not in await response.text()
+                async with client.options(path, headers=preflight) as response:
+                    assert response.status == 200
+                    allowed = response.headers["Access-Control-Allow-Origin"]
+                    assert allowed == "https://app.example"
+                    assert "POST" in response.headers["Access-Control-Allow-Methods"]
+                    assert REPLICA_HEADER not in response.headers
+            other = {**preflight, "Origin": "https://evil.example"}
+            async with client.options("/v1/echo", headers=other) as response:
+                assert response.status == 400
+                assert "Access-Control-Allow-Origin" not in response.headers
+            assert [p for r in replicas for p in r.seen_paths] == []
+            headers = {"Authorization": "Bearer k"}
+            async with client.options("/tokenize", headers=headers) as response:
+                assert response.status == 200 and REPLICA_HEADER in response.headers
+        async with proxied() as (client, replicas, _):  # no keys: preflights still stay here
+            async with client.options("/v1/echo", headers=preflight) as response:
+                assert response.status == 400  # vLLM's default: no origin allowed
+            assert [p for r in replicas for p in r.seen_paths] == []
+
+    run(main())
+
+
+def test_replicas_get_the_replica_key_and_health_names_no_address():
+    async def main():
+        keys = ApiKeys.of(["client-key"])
+        async with proxied(api_keys=keys, replica_key="rk") as (client, replicas, pool):
+            # The health checks passed (proxied waits for them): they carry the key.
+            headers = {"Authorization": "Bearer client-key", REPLICA_KEY_HEADER: "forged"}
+            async with client.get("/tokenize", headers=headers) as response:
+                assert response.status == 200
+            async with client.get("/metrics", headers=headers) as response:
+                assert 'vllm:num_requests_running{replica="0",model_name="tiny"}' in (
+                    await response.text()
+                )
+            async with client.get("/health") as response:
+                report = await response.json()
+            text = json.dumps(report)
+            assert all(str(r.port) not in text for r in replicas) and "127.0.0.1" not in text
+            assert [r["replica"] for r in report["replicas"]] == [0, 1]
+            assert all(r["healthy"] for r in report["replicas"])
+            url = f"{pool.replicas[0].url}/tokenize"  # the replica itself: no key, no entry
+            async with aiohttp.ClientSession() as direct, direct.get(url) as response:
+                assert response.status == 401
+
+    run(main())
+
+
+def test_health_says_why_a_replica_is_down_without_its_address():
+    async def main():
+        async with proxied() as (client, replicas, pool):
+            await replicas[1].stop()
+            while pool.replicas[1].is_healthy:
+                await asyncio.sleep(0.05)
+            async with client.get("/health") as response:
+                report = await response.json()
+            problem = report["replicas"][1]["problem"]
+            assert problem.startswith("/health failed: ClientConnectorError")
+            assert str(replicas[1].port) not in problem and "127.0.0.1" not in problem
 
     run(main())

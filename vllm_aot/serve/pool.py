@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -114,7 +115,6 @@ class ReplicaPool:
             "replicas": [
                 {
                     "replica": r.index,
-                    "url": r.url,
                     "healthy": r.is_healthy,
                     "started": r.is_started,
                     "in_flight": r.num_in_flight,
@@ -169,29 +169,47 @@ class ReplicaPool:
         ]
 
 
+def failure(exc: BaseException) -> str:
+    """An upstream error for `/health` and clients: its kind and cause, no replica address."""
+    if isinstance(exc, aiohttp.ClientConnectorError):  # its text names the address
+        errno = exc.os_error.errno
+        return f"{type(exc).__name__} {os.strerror(errno) if errno else ''}".strip()
+    return f"{type(exc).__name__} {exc}".strip()
+
+
 async def check_replica(
-    session: aiohttp.ClientSession, pool: ReplicaPool, replica: ReplicaState, timeout: float
+    session: aiohttp.ClientSession,
+    pool: ReplicaPool,
+    replica: ReplicaState,
+    timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> bool:
-    """GET /health once; admit on 200, eject otherwise. Returns whether it passed."""
+    """GET /health once (with `headers`: the replica key); admit on 200, eject otherwise.
+    Returns whether it passed."""
     try:
         async with session.get(
-            f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            f"{replica.url}/health", headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as response:
             if response.status == 200:
                 pool.admit(replica)
                 return True
             problem = f"/health answered {response.status}"
     except (aiohttp.ClientError, TimeoutError) as exc:
-        problem = f"/health failed: {type(exc).__name__} {exc}".strip()
+        problem = f"/health failed: {failure(exc)}"
     pool.record_failed_check(replica, problem)
     return False
 
 
 async def health_loop(
-    session: aiohttp.ClientSession, pool: ReplicaPool, *, interval: float, timeout: float
+    session: aiohttp.ClientSession,
+    pool: ReplicaPool,
+    *,
+    interval: float,
+    timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> None:
     """Check every replica concurrently each `interval` seconds, forever (cancel to stop)."""
     while True:
         checked = [r for r in pool.replicas if not r.is_retired]
-        await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in checked))
+        await asyncio.gather(*(check_replica(session, pool, r, timeout, headers) for r in checked))
         await asyncio.sleep(interval)

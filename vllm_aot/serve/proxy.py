@@ -3,7 +3,9 @@
 Bodies stream both ways in chunks as they arrive; nothing is buffered whole. `/health` and
 `/metrics` are the proxy's own (aggregated); every other path is forwarded to one replica with
 its headers. With API keys every path but `/health` (and `/metrics` when public) needs one,
-checked here before anything is forwarded (`serve/auth.py`).
+checked here before anything is forwarded; CORS preflights are answered here (`serve/auth.py`).
+Every request to a replica carries the launch's replica key, which replicas require on every
+route (`plugin/server_guard.py`).
 
 Failures: a request whose connection could not be opened (nothing sent) is retried once on
 another replica; once sent it is never retried. A replica that fails before answering gives the
@@ -29,9 +31,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from vllm_aot.serve.auth import ApiKeys, authentication
+from vllm_aot.plugin.server_guard import REPLICA_KEY_HEADER, CorsSettings
+from vllm_aot.serve.auth import ApiKeys, authentication, cors_preflights
 from vllm_aot.serve.metrics import merge_expositions
-from vllm_aot.serve.pool import ReplicaPool, ReplicaState, health_loop
+from vllm_aot.serve.pool import ReplicaPool, ReplicaState, failure, health_loop
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,13 @@ class ProxyConfig:
     health_timeout: float = 2.0
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the proxy checks no key
     is_metrics_public: bool = False  # /metrics without a key even when keys are required
+    cors: CorsSettings = field(default_factory=CorsSettings)  # vLLM's CORS flags
+    replica_key: str | None = field(default=None, repr=False)  # what replicas require
+
+    @property
+    def replica_headers(self) -> dict[str, str]:
+        """Headers every request to a replica carries."""
+        return {REPLICA_KEY_HEADER: self.replica_key} if self.replica_key else {}
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "connect_timeout", "read_timeout", "health_interval"):
@@ -129,7 +139,9 @@ class Proxy:
         if self.config.is_metrics_public:
             public.append(self.handle_metrics)
         keys = self.config.api_keys
-        middlewares = [authentication(keys, public)] if keys.is_required else []
+        middlewares = [cors_preflights(self.config.cors)]
+        if keys.is_required:
+            middlewares.append(authentication(keys, public))
         app = web.Application(middlewares=middlewares)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -148,6 +160,7 @@ class Proxy:
                 self.pool,
                 interval=self.config.health_interval,
                 timeout=self.config.health_timeout,
+                headers=self.config.replica_headers,
             )
         )
 
@@ -193,6 +206,7 @@ class Proxy:
             try:
                 async with self._session.get(
                     f"{replica.url}/metrics",
+                    headers=self.config.replica_headers,
                     timeout=aiohttp.ClientTimeout(total=self.config.health_timeout * 5),
                 ) as response:
                     return await response.text() if response.status == 200 else None
@@ -235,9 +249,9 @@ class Proxy:
             except aiohttp.ClientConnectorError as exc:
                 # The connection never opened, so nothing was sent: safe to try elsewhere.
                 replica.num_errors += 1
-                self.pool.eject(replica, f"connect failed: {exc}")
+                self.pool.eject(replica, f"connect failed: {failure(exc)}")
                 if len(tried) > 1 or body.is_started:
-                    return _error(502, f"replica {replica.index} unreachable: {exc}")
+                    return _error(502, f"replica {replica.index} unreachable: {failure(exc)}")
                 self.pool.num_retries += 1
             finally:
                 replica.num_in_flight -= 1
@@ -246,6 +260,7 @@ class Proxy:
         self, request: web.Request, replica: ReplicaState, body: _RequestBody
     ) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers.update(self.config.replica_headers)
         if request.remote:
             headers["X-Forwarded-For"] = request.remote
         try:
