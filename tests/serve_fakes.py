@@ -57,16 +57,25 @@ async def anything(request: web.Request) -> web.Response:
     return web.json_response({"path": request.path, "pid": os.getpid()})
 
 
-def replica_key_check():
-    from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV, REPLICA_KEY_HEADER
-
-    key = os.environ.get(REPLICA_KEY_ENV)
+def replica_key_check(key: str | None):
+    """aiohttp middleware doing what `ReplicaKeyMiddleware` does in a vLLM replica."""
+    from vllm_aot.plugin.server_guard import (
+        REPLICA_CHALLENGE_HEADER,
+        REPLICA_KEY_HEADER,
+        REPLICA_PROOF_HEADER,
+        replica_proof,
+    )
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if key and request.headers.get(REPLICA_KEY_HEADER) != key:
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
+        if not key or request.headers.get(REPLICA_KEY_HEADER) == key:
+            return await handler(request)
+        nonce = request.headers.get(REPLICA_CHALLENGE_HEADER)
+        if nonce and (request.method, request.path) == ("GET", "/health"):
+            response = await handler(request)
+            response.headers[REPLICA_PROOF_HEADER] = replica_proof(key, nonce)
+            return response
+        return web.json_response({"error": "Unauthorized"}, status=401)
 
     return check
 
@@ -74,7 +83,9 @@ def replica_key_check():
 def run_replica(port: int, on_sigterm: str, has_engine: bool, sick_file: Path | None) -> None:
     if has_engine:
         subprocess.Popen([sys.executable, "-c", ENGINE])
-    app = web.Application(middlewares=[replica_key_check()])
+    from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV
+
+    app = web.Application(middlewares=[replica_key_check(os.environ.get(REPLICA_KEY_ENV))])
     app.router.add_get("/health", health(sick_file))
     app.router.add_post("/v1/echo", echo)
     app.router.add_post("/v1/stream", stream)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.helpers import children_of, cmdline_of, is_gone, wait_until
+from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV, REPLICA_KEY_HEADER
 from vllm_aot.testing import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,5 +225,32 @@ def test_a_restart_that_never_becomes_healthy_is_killed_then_left_down(tmp_path)
         report = served.health()  # replica 0 serves on
         assert report["status"] == "ok" and not report["replicas"][1]["healthy"]
         assert "leaving it down" in report["replicas"][1]["problem"]
+        served.stop()
+        assert served.all_gone()
+
+
+def test_replicas_require_the_launch_key_and_carry_no_client_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "user-env-key")
+    client_key = ["--api-key", "client-key"]
+    with fake_serve(tmp_path, api_keys=["client-key"], replica_args=client_key) as served:
+        wait_until(lambda: served.health()["status"] == "ok", 60, "both replicas healthy")
+        keys = set()
+        for index in (0, 1):
+            process = served.replica_process(index)
+            assert "client-key" not in process.cmdline()  # `ps` shows nothing to other users
+            env = process.environ()
+            assert "VLLM_API_KEY" not in env
+            keys.add(env[REPLICA_KEY_ENV])
+            direct = f"http://127.0.0.1:{served.replica_port(index)}"
+            for path in ("/health", "/tokenize"):  # a local user reaches no replica directly
+                assert httpx.get(f"{direct}{path}", timeout=10).status_code == 401
+            headers = {REPLICA_KEY_HEADER: env[REPLICA_KEY_ENV]}
+            assert httpx.get(f"{direct}/health", headers=headers, timeout=10).status_code == 200
+        assert len(keys) == 1 and len(keys.pop()) >= 32
+        assert httpx.get(f"{served.url}/tokenize", timeout=10).status_code == 401
+        headers = {"Authorization": "Bearer client-key"}
+        assert httpx.get(f"{served.url}/tokenize", headers=headers, timeout=10).status_code == 200
+        report = json.dumps(served.health())
+        assert served.replica_port(0) not in report and "127.0.0.1" not in report
         served.stop()
         assert served.all_gone()

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.serve_fakes import replica_key_check
 from vllm_aot.plugin.engine_flags import parse_vllm_flags
 from vllm_aot.plugin.server_guard import REPLICA_KEY_HEADER, CorsSettings
 from vllm_aot.serve.auth import ApiKeys
@@ -44,10 +45,11 @@ class FakeReplica:
     num_aborted: int = 0
     seen_auth: list[str | None] = field(default_factory=list)
     seen_paths: list[str] = field(default_factory=list)
+    seen_keys: list[str | None] = field(default_factory=list)  # replica keys its /health saw
     runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application(middlewares=[self.check_key])
+        app = web.Application(middlewares=[replica_key_check(self.required_key)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/echo", self.echo)
@@ -62,13 +64,8 @@ class FakeReplica:
     async def stop(self) -> None:
         await self.runner.cleanup()
 
-    @web.middleware
-    async def check_key(self, request, handler):
-        if self.required_key and request.headers.get(REPLICA_KEY_HEADER) != self.required_key:
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
     async def health(self, request):
+        self.seen_keys.append(request.headers.get(REPLICA_KEY_HEADER))
         return web.Response(status=200 if self.is_healthy else 503)
 
     async def metrics(self, request):
@@ -470,5 +467,41 @@ def test_health_says_why_a_replica_is_down_without_its_address():
             problem = report["replicas"][1]["problem"]
             assert problem.startswith("/health failed: ClientConnectorError")
             assert str(replicas[1].port) not in problem and "127.0.0.1" not in problem
+
+    run(main())
+
+
+def test_a_process_on_a_replica_port_without_the_key_is_never_admitted():
+    """Another process on a (restarting) replica's port answers every health check with 200; it
+    cannot prove the replica key, so it gets no request, no scrape and never the key."""
+
+    async def main():
+        real, impostor = FakeReplica(0, "rk"), FakeReplica(1)
+        for replica in (real, impostor):
+            await replica.start()
+        urls = [f"http://127.0.0.1:{r.port}" for r in (real, impostor)]
+        pool = ReplicaPool.from_urls(urls)
+        config = ProxyConfig(port=free_port(), health_interval=0.05, replica_key="rk")
+        proxy = Proxy(pool, config)
+        await proxy.start()
+        try:
+            while len(impostor.seen_keys) < 3 or not pool.replicas[0].is_started:
+                await asyncio.sleep(0.05)
+            pool.is_started = True
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{config.port}") as client:
+                for _ in range(4):
+                    async with client.post("/v1/echo", data=b"x") as response:
+                        assert response.headers[REPLICA_HEADER] == "0"
+                async with client.get("/metrics") as response:
+                    assert response.status == 200
+                async with client.get("/health") as response:
+                    report = await response.json()
+            assert not pool.replicas[1].is_healthy and not pool.replicas[1].is_started
+            assert "without the replica key's proof" in report["replicas"][1]["problem"]
+            assert impostor.seen_paths == [] and set(impostor.seen_keys) == {None}
+        finally:
+            await proxy.stop()
+            for replica in (real, impostor):
+                await replica.stop()
 
     run(main())

@@ -8,10 +8,13 @@ import pytest
 
 from vllm_aot.plugin.engine_flags import serve_parser
 from vllm_aot.plugin.server_guard import (
+    REPLICA_CHALLENGE_HEADER,
     REPLICA_KEY_ENV,
     REPLICA_KEY_HEADER,
     REPLICA_KEY_MIDDLEWARE,
+    REPLICA_PROOF_HEADER,
     CorsSettings,
+    is_proof,
     preflight_answer,
 )
 
@@ -40,6 +43,16 @@ def test_vllm_installs_the_replica_key_on_every_route(monkeypatch):
         wrong = client.request(method, path, headers={REPLICA_KEY_HEADER: "other"})
         assert wrong.status_code == 401
         assert client.request(method, path, headers={REPLICA_KEY_HEADER: "rk"}).status_code == 200
+    # The proxy's health check: a challenge, answered with the proof, no key sent.
+    challenge = {REPLICA_CHALLENGE_HEADER: "nonce-1"}
+    response = client.get("/health", headers=challenge)
+    assert response.status_code == 200
+    assert is_proof("rk", "nonce-1", response.headers[REPLICA_PROOF_HEADER])
+    assert not is_proof("other", "nonce-1", response.headers[REPLICA_PROOF_HEADER])
+    assert not is_proof("rk", "nonce-2", response.headers[REPLICA_PROOF_HEADER])
+    assert client.post("/health", headers=challenge).status_code == 401
+    assert client.get("/tokenize", headers=challenge).status_code == 401
+    assert client.get("/metrics/", headers=challenge).status_code == 401
 
 
 def test_a_replica_without_its_key_refuses_to_start(monkeypatch):

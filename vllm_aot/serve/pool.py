@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from vllm_aot.plugin.server_guard import REPLICA_CHALLENGE_HEADER, REPLICA_PROOF_HEADER, is_proof
 from vllm_aot.serve.metrics import CounterFamily
 
 logger = logging.getLogger(__name__)
@@ -182,18 +184,23 @@ async def check_replica(
     pool: ReplicaPool,
     replica: ReplicaState,
     timeout: float,
-    headers: dict[str, str] | None = None,
+    replica_key: str | None = None,
 ) -> bool:
-    """GET /health once (with `headers`: the replica key); admit on 200, eject otherwise.
-    Returns whether it passed."""
+    """GET /health once; admit on 200 (with the replica key: 200 with the proof of the key,
+    `plugin/server_guard.py`), eject otherwise. Returns whether it passed."""
+    nonce = secrets.token_hex(16)
+    headers = {REPLICA_CHALLENGE_HEADER: nonce} if replica_key else {}
     try:
         async with session.get(
             f"{replica.url}/health", headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as response:
-            if response.status == 200:
+            proof = response.headers.get(REPLICA_PROOF_HEADER)
+            if response.status == 200 and (not replica_key or is_proof(replica_key, nonce, proof)):
                 pool.admit(replica)
                 return True
             problem = f"/health answered {response.status}"
+            if response.status == 200:
+                problem += " without the replica key's proof (not this launch's replica)"
     except (aiohttp.ClientError, TimeoutError) as exc:
         problem = f"/health failed: {failure(exc)}"
     pool.record_failed_check(replica, problem)
@@ -206,10 +213,12 @@ async def health_loop(
     *,
     interval: float,
     timeout: float,
-    headers: dict[str, str] | None = None,
+    replica_key: str | None = None,
 ) -> None:
     """Check every replica concurrently each `interval` seconds, forever (cancel to stop)."""
     while True:
         checked = [r for r in pool.replicas if not r.is_retired]
-        await asyncio.gather(*(check_replica(session, pool, r, timeout, headers) for r in checked))
+        await asyncio.gather(
+            *(check_replica(session, pool, r, timeout, replica_key) for r in checked)
+        )
         await asyncio.sleep(interval)

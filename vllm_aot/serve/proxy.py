@@ -160,7 +160,7 @@ class Proxy:
                 self.pool,
                 interval=self.config.health_interval,
                 timeout=self.config.health_timeout,
-                headers=self.config.replica_headers,
+                replica_key=self.config.replica_key,
             )
         )
 
@@ -213,9 +213,10 @@ class Proxy:
             except (aiohttp.ClientError, TimeoutError):
                 return None  # a down replica has no series; replica_healthy says so
 
-        texts = await asyncio.gather(*(scrape(r) for r in self.pool.replicas))
+        admitted = [r for r in self.pool.replicas if r.is_healthy]  # proved the replica key
+        texts = await asyncio.gather(*(scrape(r) for r in admitted))
         merged = merge_expositions(
-            {str(r.index): t for r, t in zip(self.pool.replicas, texts, strict=True) if t}
+            {str(r.index): t for r, t in zip(admitted, texts, strict=True) if t}
         )
         own = "".join(f.render() for f in self.pool.counter_families())
         return web.Response(text=merged + own, content_type="text/plain", charset="utf-8")
