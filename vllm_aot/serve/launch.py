@@ -200,8 +200,8 @@ def replica_launch(
 
 
 def check_replica_keys(passthrough: tuple[str, ...], api_keys: ApiKeys) -> None:
-    """ValueError unless the keys vLLM takes from the replicas' arguments (those --config
-    gives; the command line's --api-key is removed) are none or the proxy's."""
+    """ValueError unless the keys vLLM takes from the servers' arguments (those --config gives;
+    the command line's --api-key is removed) are none or the proxy's."""
     left = parse_vllm_flags(without_api_key(passthrough)).api_key
     if left and ApiKeys.of([k for k in left if k]) not in (ApiKeys(), api_keys):
         raise ValueError(
@@ -213,8 +213,7 @@ def proxy_config_from(args: argparse.Namespace, passthrough: list[str]) -> Proxy
     """The proxy's settings; its keys and CORS flags as vLLM parses them from `passthrough`."""
     parsed = parse_vllm_flags(passthrough)
     api_keys = ApiKeys.from_vllm(parsed.api_key, os.environ)
-    if args.data_parallel_size > 1:
-        check_replica_keys(tuple(passthrough), api_keys)
+    check_replica_keys(tuple(passthrough), api_keys)  # the servers' argv loses --api-key
     return ProxyConfig(
         host=args.host,
         port=args.port,
