@@ -8,7 +8,9 @@
 (`/v1/stream`, one event per `delay` s) and a catch-all. `--engine` starts a child that ignores
 SIGTERM, as an engine process that outlives its server would. `--on-sigterm exit` leaves at once
 (vLLM aborts its requests on SIGTERM), `ignore` never does (only SIGKILL ends it). Its /health
-answers 503 while `--sick-file` exists (`{port}` in it is replaced by the replica's port).
+answers 503 while `--sick-file` exists (`{port}` in it is replaced by the replica's port). With
+the replica key in its environment it answers 401 to any request without it, as a vLLM replica
+with the replica-key middleware does.
 
 `serve`: `serve_replicas` (the real proxy and replica manager) over fake replicas; CONFIG_JSON
 holds `port`, `num_replicas`, `replica_args`, and the policy, proxy and connection-limit numbers
@@ -56,10 +58,35 @@ async def anything(request: web.Request) -> web.Response:
     return web.json_response({"path": request.path, "pid": os.getpid()})
 
 
+def replica_key_check(key: str | None):
+    """aiohttp middleware doing what `ReplicaKeyMiddleware` does in a vLLM replica."""
+    from vllm_aot.plugin.server_guard import (
+        REPLICA_CHALLENGE_HEADER,
+        REPLICA_KEY_HEADER,
+        REPLICA_PROOF_HEADER,
+        replica_proof,
+    )
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if not key or request.headers.get(REPLICA_KEY_HEADER) == key:
+            return await handler(request)
+        nonce = request.headers.get(REPLICA_CHALLENGE_HEADER)
+        if nonce and (request.method, request.path) == ("GET", "/health"):
+            response = await handler(request)
+            response.headers[REPLICA_PROOF_HEADER] = replica_proof(key, nonce)
+            return response
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
+    return check
+
+
 def run_replica(port: int, on_sigterm: str, has_engine: bool, sick_file: Path | None) -> None:
     if has_engine:
         subprocess.Popen([sys.executable, "-c", ENGINE])
-    app = web.Application()
+    from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV
+
+    app = web.Application(middlewares=[replica_key_check(os.environ.get(REPLICA_KEY_ENV))])
     app.router.add_get("/health", health(sick_file))
     app.router.add_post("/v1/echo", echo)
     app.router.add_post("/v1/stream", stream)
@@ -84,22 +111,28 @@ def run_serve(config: dict) -> int:
     from vllm_aot.processes import free_port
     from vllm_aot.serve.auth import ApiKeys
     from vllm_aot.serve.connections import ConnectionLimits
-    from vllm_aot.serve.launch import serve_replicas
+    from vllm_aot.serve.launch import new_replica_key, replica_launch, serve_replicas
     from vllm_aot.serve.proxy import ProxyConfig
     from vllm_aot.serve.replicas import ReplicaSpec, RestartPolicy
 
     cores = tuple(sorted(os.sched_getaffinity(0)))
+    replica_key = new_replica_key()
     specs = []
     for index in range(config.get("num_replicas", 2)):
         port = free_port()
-        command = replica_command(port, config.get("replica_args", []))
-        specs.append(ReplicaSpec(index, port, cores, command, dict(os.environ)))
+        command, env = replica_launch(
+            list(replica_command(port, config.get("replica_args", []))),
+            dict(os.environ),
+            replica_key,
+        )
+        specs.append(ReplicaSpec(index, port, cores, tuple(command), env))
     proxy_config = ProxyConfig(
         port=config["port"],
         health_interval=config.get("health_interval", 0.2),
         health_timeout=config.get("health_timeout", 0.5),
         api_keys=ApiKeys.of(config.get("api_keys", [])),
         limits=ConnectionLimits(**config.get("limits", {})),
+        replica_key=replica_key,
     )
     policy = RestartPolicy(**config.get("policy", {}))
     grace = config.get("stop_grace", 10.0)

@@ -6,15 +6,25 @@ from __future__ import annotations
 import pytest
 
 from vllm_aot.cli.main import build_parser, main, reclaim_flag_value
+from vllm_aot.plugin.engine_flags import parse_vllm_flags
+from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV, REPLICA_KEY_MIDDLEWARE
 from vllm_aot.serve.auth import ApiKeys
+from vllm_aot.serve.launch import (
+    check_replica_keys,
+    hand_key_to_server,
+    new_replica_key,
+    replica_launch,
+)
 from vllm_aot.serve.metrics import label_sample
 from vllm_aot.serve.replicas import RestartPolicy
 from vllm_aot.serve.settings import (
     RegistryPick,
     ShapeFlags,
+    api_keys_given,
     choose_config,
     flag_value,
-    flag_values,
+    masked,
+    without_api_key,
 )
 
 pytestmark = pytest.mark.unit
@@ -126,19 +136,63 @@ def test_serve_refuses_before_starting_anything(tiny_model_dir, argv, message, m
     assert message in str(exit_info.value)
 
 
-def test_the_proxy_takes_the_api_keys_vllm_would():
-    assert flag_values(("--api-key", "a", "b", "--port", "1"), "--api-key") == ("a", "b")
-    assert flag_values(("--api_key=a", "--api-key", "c"), "--api-key") == ("c",)  # last wins
-    assert flag_values(("--port", "1"), "--api-key") is None
-    keys = ApiKeys.from_vllm_flags(("--api-key", "a", "b", "--dtype", "float32"), {})
+def proxy_keys(args, environ=None) -> ApiKeys:
+    return ApiKeys.from_vllm(parse_vllm_flags(args).api_key, environ or {})
+
+
+def test_the_proxy_takes_the_api_keys_vllm_would(tmp_path):
+    keys = proxy_keys(("--api-key", "a", "b", "--dtype", "float32"))
     assert keys.is_required and keys.accepts("Bearer b") and keys.accepts("bearer a")
     assert not any(keys.accepts(h) for h in (None, "", "Bearer", "Bearer c", "Basic a", "a"))
     assert "'a'" not in repr(keys) and "b'" not in repr(keys)  # no key in logs
-    from_env = ApiKeys.from_vllm_flags((), {"VLLM_API_KEY": "e"})
-    assert from_env.accepts("Bearer e") and not from_env.accepts("Bearer a")
-    assert ApiKeys.from_vllm_flags(("--api-key", "a"), {"VLLM_API_KEY": "e"}).accepts("Bearer a")
-    assert not ApiKeys.from_vllm_flags((), {}).is_required
-    assert not ApiKeys.from_vllm_flags((), {"VLLM_API_KEY": ""}).is_required
+    assert proxy_keys(("--api_key=a", "--api-key", "c")) == ApiKeys.of(["c"])  # last wins
+    assert proxy_keys((), {"VLLM_API_KEY": "e"}) == ApiKeys.of(["e"])
+    assert proxy_keys(("--api-key", "a"), {"VLLM_API_KEY": "e"}) == ApiKeys.of(["a"])
+    assert not proxy_keys((), {}).is_required
+    assert not proxy_keys((), {"VLLM_API_KEY": ""}).is_required
+    # However vLLM's own parser takes them: an abbreviation, a --config file.
+    assert proxy_keys(("--api-k", "x", "y")) == ApiKeys.of(["x", "y"])
+    assert proxy_keys(("--api-ke=x",)) == ApiKeys.of(["x"])
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: from-yaml\n")
+    assert proxy_keys(("--config", str(config))) == ApiKeys.of(["from-yaml"])
+    assert proxy_keys(("--config", str(config)), {"VLLM_API_KEY": "e"}) == ApiKeys.of(["from-yaml"])
+
+
+def test_keys_leave_the_command_line_however_they_are_spelt():
+    for args in (
+        ("--api-key", "a", "b", "--dtype", "float32"),
+        ("--api-k", "a", "b", "--dtype", "float32"),
+        ("--api_key=a", "--dtype", "float32"),
+        ("--api-key", "old", "--dtype", "float32", "--api-ke", "a", "b"),
+    ):
+        assert without_api_key(args) == ("--dtype", "float32"), args
+        assert parse_vllm_flags(without_api_key(args)).api_key is None
+        assert "a" not in masked(args) and "b" not in masked(args) and "float32" in masked(args)
+    assert api_keys_given(("--api-k", "a", "b", "--dtype", "float32")) == ("a", "b")
+    assert api_keys_given(("--api_key=a", "--api-key", "c")) == ("c",)
+    assert api_keys_given(("--api-server-count", "2")) is None
+    assert without_api_key(("--api-server-count", "2")) == ("--api-server-count", "2")
+    assert masked(("--api-key=k", "--port", "1")) == ["--api-key=***", "--port", "1"]
+
+
+def test_the_key_goes_through_the_environment_never_argv(tmp_path):
+    command = ["python", "-m", "vllm_aot.plugin.vllm_serve", "--api-k", "sekret", "--dtype", "x"]
+    argv, env = hand_key_to_server(command, {"PATH": "/bin"})
+    assert "sekret" not in argv and env == {"PATH": "/bin", "VLLM_API_KEY": "sekret"}
+    argv, env = replica_launch(command, {"VLLM_API_KEY": "user", "PATH": "/bin"}, "rk")
+    assert "sekret" not in argv and "user" not in env.values()
+    assert argv[-2:] == ["--middleware", REPLICA_KEY_MIDDLEWARE]
+    assert env == {"PATH": "/bin", REPLICA_KEY_ENV: "rk"}
+    assert new_replica_key() != new_replica_key() and len(new_replica_key()) >= 32
+    # The replicas' vLLM still reads a --config file's key: serve refuses where it differs.
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: from-yaml\n")
+    given = ("--config", str(config))
+    check_replica_keys(given, proxy_keys(given))
+    check_replica_keys((*given, "--api-key", "from-yaml"), ApiKeys.of(["from-yaml"]))
+    with pytest.raises(ValueError, match="both in --config and on the command line"):
+        check_replica_keys((*given, "--api-key", "other"), ApiKeys.of(["other"]))
 
 
 def test_serve_lifecycle_flags_reach_the_policy_and_are_checked():
@@ -240,6 +294,7 @@ def test_serve_never_picks_a_configuration_longer_than_the_model_declares(tmp_pa
          ["--profiler-config", '{"profiler": "torch"}']),
         (["serve", "--profiler-config={}", "."], ".", ["--profiler-config={}"]),
         (["serve", ".", "--enable-prefix-caching"], ".", ["--enable-prefix-caching"]),
+        (["serve", "--config", __file__], None, ["--config", __file__]),  # a file, not a model
     ],
 )  # fmt: skip
 def test_serve_gives_a_passed_through_flag_its_value_back(argv, model, passed):

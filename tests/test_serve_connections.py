@@ -198,7 +198,7 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one_and_caps_connections
 def test_the_health_loop_goes_on_after_an_error(monkeypatch):
     calls = []
 
-    async def flaky_check(session, pool, replica, timeout):
+    async def flaky_check(session, pool, replica, timeout, replica_key=None):
         calls.append(replica.index)
         if len(calls) == 1:
             raise OSError(errno.EMFILE, "Too many open files")

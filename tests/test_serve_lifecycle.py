@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from tests.helpers import children_of, cmdline_of, is_gone, wait_until
+from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV, REPLICA_KEY_HEADER
 from vllm_aot.testing import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +44,15 @@ class Served:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
+    def replica_port(self, index: int) -> str:
+        """Replica `index`'s port, from serve's log (its /health names no address)."""
+        starts = re.findall(
+            rf"replica {index} \(pid \d+\) on .*:(\d+)$", self.log.read_text(), re.M
+        )
+        return starts[-1]
+
     def replica_process(self, index: int) -> psutil.Process:
-        port = self.health()["replicas"][index]["url"].rsplit(":", 1)[1]
+        port = self.replica_port(index)
         return next(p for p in self.descendants() if port in cmdline_of(p))
 
     def all_gone(self) -> bool:
@@ -205,7 +214,7 @@ def test_a_restart_that_never_becomes_healthy_is_killed_then_left_down(tmp_path)
     policy = {"start_timeout": 5.0, "max_restarts": 1}
     sick_files = str(tmp_path / "sick-{port}")
     with fake_serve(tmp_path, replica_args=["--sick-file", sick_files], policy=policy) as served:
-        port = served.health()["replicas"][1]["url"].rsplit(":", 1)[1]
+        port = served.replica_port(1)
         Path(sick_files.format(port=port)).touch()  # replica 1's next process answers 503
         served.replica_process(1).kill()
         wait_until(lambda: "leaving it down" in served.log.read_text(), 60, "replica 1 given up")
@@ -216,5 +225,32 @@ def test_a_restart_that_never_becomes_healthy_is_killed_then_left_down(tmp_path)
         report = served.health()  # replica 0 serves on
         assert report["status"] == "ok" and not report["replicas"][1]["healthy"]
         assert "leaving it down" in report["replicas"][1]["problem"]
+        served.stop()
+        assert served.all_gone()
+
+
+def test_replicas_require_the_launch_key_and_carry_no_client_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "user-env-key")
+    client_key = ["--api-key", "client-key"]
+    with fake_serve(tmp_path, api_keys=["client-key"], replica_args=client_key) as served:
+        wait_until(lambda: served.health()["status"] == "ok", 60, "both replicas healthy")
+        keys = set()
+        for index in (0, 1):
+            process = served.replica_process(index)
+            assert "client-key" not in process.cmdline()  # `ps` shows nothing to other users
+            env = process.environ()
+            assert "VLLM_API_KEY" not in env
+            keys.add(env[REPLICA_KEY_ENV])
+            direct = f"http://127.0.0.1:{served.replica_port(index)}"
+            for path in ("/health", "/tokenize"):  # a local user reaches no replica directly
+                assert httpx.get(f"{direct}{path}", timeout=10).status_code == 401
+            headers = {REPLICA_KEY_HEADER: env[REPLICA_KEY_ENV]}
+            assert httpx.get(f"{direct}/health", headers=headers, timeout=10).status_code == 200
+        assert len(keys) == 1 and len(keys.pop()) >= 32
+        assert httpx.get(f"{served.url}/tokenize", timeout=10).status_code == 401
+        headers = {"Authorization": "Bearer client-key"}
+        assert httpx.get(f"{served.url}/tokenize", headers=headers, timeout=10).status_code == 200
+        report = json.dumps(served.health())
+        assert served.replica_port(0) not in report and "127.0.0.1" not in report
         served.stop()
         assert served.all_gone()

@@ -11,6 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.serve_fakes import replica_key_check
+from vllm_aot.plugin.server_guard import REPLICA_KEY_HEADER
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.pool import ReplicaPool
 from vllm_aot.serve.proxy import REPLICA_HEADER, Proxy, ProxyConfig
@@ -36,15 +38,17 @@ class FakeReplica:
     """A replica stand-in: /health, /metrics, an echo, a slow SSE stream, a mid-stream death."""
 
     index: int
+    required_key: str | None = None  # the replica key, when this replica requires one
     port: int = field(default_factory=free_port)
     is_healthy: bool = True
     num_aborted: int = 0
     seen_auth: list[str | None] = field(default_factory=list)
     seen_paths: list[str] = field(default_factory=list)
+    seen_keys: list[str | None] = field(default_factory=list)  # replica keys its /health saw
     runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[replica_key_check(self.required_key)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/echo", self.echo)
@@ -60,6 +64,7 @@ class FakeReplica:
         await self.runner.cleanup()
 
     async def health(self, request):
+        self.seen_keys.append(request.headers.get(REPLICA_KEY_HEADER))
         return web.Response(status=200 if self.is_healthy else 503)
 
     async def metrics(self, request):
@@ -116,7 +121,7 @@ async def proxied(num_replicas: int = 2, **config):
 @contextlib.asynccontextmanager
 async def proxied_with_proxy(num_replicas: int = 2, **config):
     """`proxied`, and the proxy itself (to stop it as serving stops)."""
-    replicas = [FakeReplica(i) for i in range(num_replicas)]
+    replicas = [FakeReplica(i, config.get("replica_key")) for i in range(num_replicas)]
     for replica in replicas:
         await replica.start()
     pool = ReplicaPool.from_urls([f"http://127.0.0.1:{r.port}" for r in replicas])

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
-from tests.helpers import children_of, cmdline_of, is_gone, wait_until
+from tests.helpers import children_of, is_gone, wait_until
 from vllm_aot.testing import free_port, stop_process, wait_healthy
 
 API_KEY = "secret"
@@ -126,6 +129,27 @@ def replica_served(url: str) -> str:
     return response.headers["x-vllm-aot-replica"]
 
 
+def replica_pid(log: Path, index: int) -> int:
+    """Replica `index`'s process, from serve's log (its /health names no address)."""
+    return int(re.findall(rf"replica {index} \(pid (\d+)\)", log.read_text())[-1])
+
+
+def test_replicas_are_closed_to_anyone_but_the_proxy(dp_server):
+    url, _, log = dp_server
+    wait_all_healthy(url)
+    text = log.read_text()
+    assert API_KEY not in text  # the printed command line masks it
+    for index in (0, 1):
+        replica = psutil.Process(replica_pid(log, index))
+        assert API_KEY not in " ".join(replica.cmdline())  # nothing for `ps` to show
+        port = re.findall(rf"replica {index} \(pid \d+\) on .*:(\d+)$", text, re.M)[-1]
+        for path in ("/health", "/v1/models", "/tokenize", "/metrics"):
+            response = httpx.get(f"http://127.0.0.1:{port}{path}", headers=AUTH, timeout=30)
+            assert response.status_code == 401, path  # even with a client's key
+    assert "127.0.0.1" not in httpx.get(f"{url}/health", timeout=30).text
+    assert httpx.options(f"{url}/metrics", timeout=30).status_code == 401
+
+
 def test_api_key_is_checked_through_the_proxy(dp_server):
     url, _, _ = dp_server
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
@@ -163,9 +187,7 @@ def test_metrics_have_both_replicas_series(dp_server):
 def test_killed_replica_is_ejected_its_streams_fail_cleanly_and_it_comes_back(dp_server):
     url, process, log = dp_server
     wait_all_healthy(url)
-    health = httpx.get(f"{url}/health", timeout=30).json()
-    port = health["replicas"][0]["url"].rsplit(":", 1)[1]
-    victim = next(p for p in children_of(process.pid, recursive=False) if port in cmdline_of(p))
+    victim = psutil.Process(replica_pid(log, 0))
 
     events = run_streams(url, num_streams=4, max_tokens=230, during=lambda: victim.kill())
     by_replica = {"0": [], "1": []}

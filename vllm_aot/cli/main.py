@@ -199,12 +199,14 @@ def reclaim_flag_value(argv: list[str], args, unknown: list[str]) -> None:
 
     `serve --profiler-config '{"profiler": "torch"}'`: argparse does not know vLLM's flag, so its
     value looks like the optional model positional. A value that follows an unknown `--flag`
-    (without `=`) and is not a directory goes back behind that flag.
+    (without `=`) and is no path (or the file of `--config FILE.yaml`) goes back behind that flag.
     """
     model = getattr(args, "model", None)
-    if model is None or model not in argv or Path(model).exists():
+    if model is None or model not in argv:
         return
     before = argv[argv.index(model) - 1] if argv.index(model) > 0 else ""
+    if Path(model).exists() and not (before == "--config" and Path(model).is_file()):
+        return
     if before.startswith("--") and "=" not in before and before in unknown:
         unknown.insert(unknown.index(before) + 1, model)
         args.model = None

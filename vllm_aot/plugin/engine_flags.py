@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_aot.plugin.server_guard import CorsSettings
 from vllm_aot.runtime.options import VLLM_OPTIONS
 
 GIVEN_KEY = "vllm_aot_given"
@@ -29,12 +30,15 @@ _DEFAULTING = "_set_default_max_num_seqs_and_batched_tokens_args"
 
 @dataclass(frozen=True)
 class VllmFlags:
-    """A vLLM command line, parsed by vLLM: the options it sets (`runtime/options.py` names)
-    and its --additional-config and --speculative-config."""
+    """A vLLM command line, parsed by vLLM: the options it sets (`runtime/options.py` names),
+    its --additional-config and --speculative-config, and its server's --api-key (None when not
+    given; a key may be None or empty, which vLLM skips) and CORS flags."""
 
     given: dict[str, Any] = field(default_factory=dict)
     additional_config: dict[str, Any] = field(default_factory=dict)
     speculative_config: dict[str, Any] | None = None
+    api_key: tuple[str | None, ...] | None = None
+    cors: CorsSettings = field(default_factory=CorsSettings)
 
 
 def given_options(engine_args) -> dict[str, Any]:
@@ -103,7 +107,8 @@ def serve_parser():
 
 
 def parse_vllm_flags(args: Sequence[str], model: str = "model") -> VllmFlags:
-    """`vllm serve MODEL ARGS` as vLLM parses it (SystemExit naming a flag it refuses)."""
+    """`vllm serve MODEL ARGS` as vLLM parses it (SystemExit naming a flag it refuses): its
+    `--config FILE.yaml`, its abbreviations (`--api-k`), its spellings (`--api_key`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     namespace = serve_parser().parse_args(["serve", model, *args])
@@ -113,4 +118,6 @@ def parse_vllm_flags(args: Sequence[str], model: str = "model") -> VllmFlags:
         given=given_options(engine_args),
         additional_config=dict(engine_args.additional_config or {}),
         speculative_config=engine_args.speculative_config,
+        api_key=None if namespace.api_key is None else tuple(namespace.api_key),
+        cors=CorsSettings.from_namespace(namespace),
     )

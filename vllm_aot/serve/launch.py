@@ -5,6 +5,13 @@ hop and no extra process, so plain serving costs what it did. DP>1 starts the pr
 public port first (its /health answers 503 while replicas start), then the replicas, and serves
 until SIGTERM/SIGINT (exit 0), or until every replica is down for good (exit 1).
 
+Keys never appear in a process's argv (which `ps` shows every local user) nor in what serve
+prints (masked). DP=1 hands a single `--api-key` to vLLM's server as `VLLM_API_KEY`. DP>1: the
+proxy checks clients' keys (`serve/auth.py`), and the replicas get none of them on the command
+line; each launch makes a secret, the replica key, which every replica requires on every route
+(`plugin/server_guard.py`) and which only the proxy sends, so a local user can reach no replica
+directly, and a process that takes a restarting replica's port is never admitted.
+
 Stopping takes at most the grace (10 s) plus a moment: the proxy stops accepting, every replica
 gets SIGTERM at once while the proxy's streams carry whatever the replicas still send, and at
 the grace whatever is left (descendants included) gets SIGKILL and the proxy cancels what is
@@ -19,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Awaitable
@@ -35,6 +43,7 @@ from vllm_aot.placement import (
 )
 from vllm_aot.plugin.engine_flags import parse_vllm_flags
 from vllm_aot.plugin.front_end import NICE_ENV
+from vllm_aot.plugin.server_guard import REPLICA_KEY_ENV, REPLICA_KEY_MIDDLEWARE
 from vllm_aot.serve.auth import ApiKeys
 from vllm_aot.serve.connections import ConnectionLimits, raise_open_file_limit
 from vllm_aot.serve.pool import ReplicaPool
@@ -46,7 +55,14 @@ from vllm_aot.serve.replicas import (
     ReplicaSpec,
     RestartPolicy,
 )
-from vllm_aot.serve.settings import ChosenConfig, ShapeFlags, choose_config
+from vllm_aot.serve.settings import (
+    ChosenConfig,
+    ShapeFlags,
+    api_keys_given,
+    choose_config,
+    masked,
+    without_api_key,
+)
 
 GOMP_SPINCOUNT = 10000  # turns an idle OpenMP thread spins before it sleeps (server_env)
 
@@ -153,6 +169,72 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def hand_key_to_server(command: list[str], env: dict[str, str]) -> tuple[list[str], dict]:
+    """DP=1: a single --api-key on the command line goes to vLLM's server as VLLM_API_KEY, out
+    of argv; several stay (the variable holds one), with a warning."""
+    keys = api_keys_given(command)
+    if keys is None:
+        return command, env
+    if len(keys) > 1:
+        print(
+            "warning: several --api-key values stay in the server's arguments, which local "
+            "users can read (VLLM_API_KEY holds one key)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return command, env
+    return list(without_api_key(command)), {**env, "VLLM_API_KEY": keys[0]}
+
+
+def new_replica_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def replica_launch(
+    command: list[str], env: dict[str, str], replica_key: str
+) -> tuple[list[str], dict[str, str]]:
+    """DP>1: a replica's command and environment: no client key (the proxy checks them), the
+    replica key in the environment, required on every route by vLLM's `--middleware`."""
+    env = {k: v for k, v in env.items() if k != "VLLM_API_KEY"}
+    env[REPLICA_KEY_ENV] = replica_key
+    return [*without_api_key(command), "--middleware", REPLICA_KEY_MIDDLEWARE], env
+
+
+def check_replica_keys(passthrough: tuple[str, ...], api_keys: ApiKeys) -> None:
+    """ValueError unless the keys vLLM takes from the servers' arguments (those --config gives;
+    the command line's --api-key is removed) are none or the proxy's."""
+    left = parse_vllm_flags(without_api_key(passthrough)).api_key
+    if left and ApiKeys.of([k for k in left if k]) not in (ApiKeys(), api_keys):
+        raise ValueError(
+            "--api-key is given both in --config and on the command line, differently; give it once"
+        )
+
+
+def proxy_config_from(args: argparse.Namespace, passthrough: list[str]) -> ProxyConfig:
+    """The proxy's settings; its keys and CORS flags as vLLM parses them from `passthrough`."""
+    parsed = parse_vllm_flags(passthrough)
+    api_keys = ApiKeys.from_vllm(parsed.api_key, os.environ)
+    check_replica_keys(tuple(passthrough), api_keys)  # the servers' argv loses --api-key
+    return ProxyConfig(
+        host=args.host,
+        port=args.port,
+        max_body_bytes=args.proxy_max_body_mb * 1024 * 1024,
+        connect_timeout=args.proxy_connect_timeout,
+        read_timeout=args.proxy_read_timeout,
+        health_interval=args.proxy_health_interval,
+        api_keys=api_keys,
+        is_metrics_public=args.expose_metrics,
+        cors=parsed.cors,
+        replica_key=new_replica_key() if args.data_parallel_size > 1 else None,
+        limits=ConnectionLimits(
+            max_connections=args.proxy_max_connections,
+            max_connections_per_client=args.proxy_max_connections_per_client,
+            header_timeout=args.proxy_header_timeout,
+            keepalive_timeout=args.proxy_keepalive_timeout,
+        ),
+    )
+
+
 def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path) -> int:
     try:
         groups = replica_groups(
@@ -161,22 +243,7 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
             tensor_parallel_size=args.tensor_parallel_size,
         )
         chosen = choose_from_args(args, passthrough, model_dir, len(groups[0]))
-        proxy_config = ProxyConfig(
-            host=args.host,
-            port=args.port,
-            max_body_bytes=args.proxy_max_body_mb * 1024 * 1024,
-            connect_timeout=args.proxy_connect_timeout,
-            read_timeout=args.proxy_read_timeout,
-            health_interval=args.proxy_health_interval,
-            api_keys=ApiKeys.from_vllm_flags(tuple(passthrough), os.environ),
-            is_metrics_public=args.expose_metrics,
-            limits=ConnectionLimits(
-                max_connections=args.proxy_max_connections,
-                max_connections_per_client=args.proxy_max_connections_per_client,
-                header_timeout=args.proxy_header_timeout,
-                keepalive_timeout=args.proxy_keepalive_timeout,
-            ),
-        )
+        proxy_config = proxy_config_from(args, passthrough)
         policy = RestartPolicy(
             max_restarts=args.max_restarts,
             start_timeout=args.start_timeout,
@@ -206,28 +273,33 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
         command = server_command(
             model_dir, host=args.host, port=args.port, chosen=chosen, served_name=served_name
         )
+        command, env = hand_key_to_server(command, env)
         if args.cores:
             pin_process(groups[0])
             env = thread_env(env, len(groups[0]))
             print(f"pinned to cores {format_core_list(groups[0])}", flush=True)
-        print("$", " ".join(command), flush=True)
+        print("$", " ".join(masked(command)), flush=True)
         os.execvpe(command[0], command, env)
     from vllm_aot.processes import free_port
 
     specs = []
     for index, group in enumerate(groups):
         port = free_port()
-        command = server_command(
-            model_dir, host="127.0.0.1", port=port, chosen=chosen, served_name=served_name
+        command, replica_env = replica_launch(
+            server_command(
+                model_dir, host="127.0.0.1", port=port, chosen=chosen, served_name=served_name
+            ),
+            thread_env(env, len(group)),
+            proxy_config.replica_key,
         )
-        specs.append(ReplicaSpec(index, port, group, tuple(command), thread_env(env, len(group))))
+        specs.append(ReplicaSpec(index, port, group, tuple(command), replica_env))
     print(
         f"data_parallel_size = {len(specs)}: replicas on cores "
         + " | ".join(format_core_list(s.cores) for s in specs)
         + f", proxy on http://{args.host}:{args.port}",
         flush=True,
     )
-    print("$", " ".join(specs[0].command), flush=True)
+    print("$", " ".join(masked(specs[0].command)), flush=True)
     log_dir = Path(args.replica_log_dir) if args.replica_log_dir else None
     return asyncio.run(serve_replicas(specs, proxy_config, policy, log_dir))
 

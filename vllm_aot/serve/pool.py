@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from vllm_aot.plugin.server_guard import REPLICA_CHALLENGE_HEADER, REPLICA_PROOF_HEADER, is_proof
 from vllm_aot.serve.metrics import CounterFamily
 
 logger = logging.getLogger(__name__)
@@ -114,7 +117,6 @@ class ReplicaPool:
             "replicas": [
                 {
                     "replica": r.index,
-                    "url": r.url,
                     "healthy": r.is_healthy,
                     "started": r.is_started,
                     "in_flight": r.num_in_flight,
@@ -169,26 +171,49 @@ class ReplicaPool:
         ]
 
 
+def failure(exc: BaseException) -> str:
+    """An upstream error for `/health` and clients: its kind and cause, no replica address."""
+    if isinstance(exc, aiohttp.ClientConnectorError):  # its text names the address
+        errno = exc.os_error.errno
+        return f"{type(exc).__name__} {os.strerror(errno) if errno else ''}".strip()
+    return f"{type(exc).__name__} {exc}".strip()
+
+
 async def check_replica(
-    session: aiohttp.ClientSession, pool: ReplicaPool, replica: ReplicaState, timeout: float
+    session: aiohttp.ClientSession,
+    pool: ReplicaPool,
+    replica: ReplicaState,
+    timeout: float,
+    replica_key: str | None = None,
 ) -> bool:
-    """GET /health once; admit on 200, eject otherwise. Returns whether it passed."""
+    """GET /health once; admit on 200 (with the replica key: 200 with the proof of the key,
+    `plugin/server_guard.py`), eject otherwise. Returns whether it passed."""
+    nonce = secrets.token_hex(16)
+    headers = {REPLICA_CHALLENGE_HEADER: nonce} if replica_key else {}
     try:
         async with session.get(
-            f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            f"{replica.url}/health", headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as response:
-            if response.status == 200:
+            proof = response.headers.get(REPLICA_PROOF_HEADER)
+            if response.status == 200 and (not replica_key or is_proof(replica_key, nonce, proof)):
                 pool.admit(replica)
                 return True
             problem = f"/health answered {response.status}"
+            if response.status == 200:
+                problem += " without the replica key's proof (not this launch's replica)"
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:  # OSError: EMFILE, say
-        problem = f"/health failed: {type(exc).__name__} {exc}".strip()
+        problem = f"/health failed: {failure(exc)}"
     pool.record_failed_check(replica, problem)
     return False
 
 
 async def health_loop(
-    session: aiohttp.ClientSession, pool: ReplicaPool, *, interval: float, timeout: float
+    session: aiohttp.ClientSession,
+    pool: ReplicaPool,
+    *,
+    interval: float,
+    timeout: float,
+    replica_key: str | None = None,
 ) -> None:
     """Check every replica concurrently each `interval` seconds, forever (cancel to stop). An
     error in a round is logged (once while it repeats) and the next round goes on."""
@@ -196,7 +221,9 @@ async def health_loop(
     while True:
         checked = [r for r in pool.replicas if not r.is_retired]
         try:
-            await asyncio.gather(*(check_replica(session, pool, r, timeout) for r in checked))
+            await asyncio.gather(
+                *(check_replica(session, pool, r, timeout, replica_key) for r in checked)
+            )
             last_error = None
         except Exception as exc:
             if repr(exc) != last_error:

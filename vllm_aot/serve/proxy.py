@@ -4,8 +4,10 @@ Bodies stream both ways in chunks as they arrive; nothing is buffered whole (a r
 first `REPLAY_BYTES` are kept, to send it again: see below). `/health` and `/metrics` are the
 proxy's own (aggregated); every other path is forwarded to one replica with its headers. With
 API keys every path but `/health` (and `/metrics` when public) needs one, checked here before
-anything is forwarded (`serve/auth.py`). Client connections are capped and timed before aiohttp
-sees them (`serve/connections.py`).
+anything is forwarded; CORS preflights are answered here (`serve/auth.py`). Every request to a
+replica carries the launch's replica key, which replicas require on every route
+(`plugin/server_guard.py`). Client connections are capped and timed before aiohttp sees them
+(`serve/connections.py`).
 
 Failures: a request is retried once at most. One whose connection could not be opened (nothing
 sent) is retried on another replica. One sent on a reused kept-alive connection that closed
@@ -36,10 +38,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from vllm_aot.serve.auth import ApiKeys, authentication
+from vllm_aot.plugin.server_guard import REPLICA_KEY_HEADER, CorsSettings
+from vllm_aot.serve.auth import ApiKeys, authentication, cors_preflights
 from vllm_aot.serve.connections import ConnectionGuard, ConnectionLimits, fitting_limits
 from vllm_aot.serve.metrics import merge_expositions
-from vllm_aot.serve.pool import ReplicaPool, ReplicaState, health_loop
+from vllm_aot.serve.pool import ReplicaPool, ReplicaState, failure, health_loop
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,13 @@ class ProxyConfig:
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the proxy checks no key
     is_metrics_public: bool = False  # /metrics without a key even when keys are required
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # client connections
+    cors: CorsSettings = field(default_factory=CorsSettings)  # vLLM's CORS flags
+    replica_key: str | None = field(default=None, repr=False)  # what replicas require
+
+    @property
+    def replica_headers(self) -> dict[str, str]:
+        """Headers every request to a replica carries."""
+        return {REPLICA_KEY_HEADER: self.replica_key} if self.replica_key else {}
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "connect_timeout", "read_timeout", "health_interval"):
@@ -168,7 +178,8 @@ class Proxy:
         if self.config.is_metrics_public:
             public.append(self.handle_metrics)
         keys = self.config.api_keys
-        middlewares = [self.guard.middleware()]  # first: a request stops its header watchdog
+        # first: a request stops its header watchdog; then preflights, answered here
+        middlewares = [self.guard.middleware(), cors_preflights(self.config.cors)]
         if keys.is_required:
             middlewares.append(authentication(keys, public))
         app = web.Application(middlewares=middlewares)
@@ -196,6 +207,7 @@ class Proxy:
                 self.pool,
                 interval=self.config.health_interval,
                 timeout=self.config.health_timeout,
+                replica_key=self.config.replica_key,
             )
         )
 
@@ -241,15 +253,17 @@ class Proxy:
             try:
                 async with self._session.get(
                     f"{replica.url}/metrics",
+                    headers=self.config.replica_headers,
                     timeout=aiohttp.ClientTimeout(total=self.config.health_timeout * 5),
                 ) as response:
                     return await response.text() if response.status == 200 else None
             except (aiohttp.ClientError, TimeoutError):
                 return None  # a down replica has no series; replica_healthy says so
 
-        texts = await asyncio.gather(*(scrape(r) for r in self.pool.replicas))
+        admitted = [r for r in self.pool.replicas if r.is_healthy]  # proved the replica key
+        texts = await asyncio.gather(*(scrape(r) for r in admitted))
         merged = merge_expositions(
-            {str(r.index): t for r, t in zip(self.pool.replicas, texts, strict=True) if t}
+            {str(r.index): t for r, t in zip(admitted, texts, strict=True) if t}
         )
         families = [*self.pool.counter_families(), *self.guard.counter_families()]
         own = "".join(f.render() for f in families)
@@ -284,9 +298,9 @@ class Proxy:
             except aiohttp.ClientConnectorError as exc:
                 # The connection never opened, so nothing was sent: safe to try elsewhere.
                 replica.num_errors += 1
-                self.pool.eject(replica, f"connect failed: {exc}")
+                self.pool.eject(replica, f"connect failed: {failure(exc)}")
                 if is_retry or not body.can_resend:
-                    return _error(502, f"replica {replica.index} unreachable: {exc}")
+                    return _error(502, f"replica {replica.index} unreachable: {failure(exc)}")
                 exclude = frozenset({replica.index})
             except _NoAnswer as exc:
                 replica.num_errors += 1
@@ -307,6 +321,7 @@ class Proxy:
         ClientConnectorError (nothing sent), or _NoAnswer when `may_resend` and a reused
         connection closed before any byte of an answer, with the body still kept."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers.update(self.config.replica_headers)
         if request.remote:
             headers["X-Forwarded-For"] = request.remote
         attempt = {"reused": False}

@@ -93,17 +93,56 @@ def flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
     return value
 
 
-def flag_values(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...] | None:
-    """The values of the last `--flag a b ...` / `--flag=a`: a vLLM list flag (nargs="+", the
-    last occurrence wins, values run up to the next option)."""
-    values = None
+API_KEY_FLAG = "--api-key"
+# The shortest spelling vLLM's parser takes for --api-key alone (`--api` is also
+# --api-server-count); any longer prefix of --api-key is the same flag.
+_API_KEY_SHORTEST = "--api-k"
+
+
+def _is_api_key_flag(arg: str) -> bool:
+    name = arg.partition("=")[0].replace("_", "-")
+    return name.startswith(_API_KEY_SHORTEST) and API_KEY_FLAG.startswith(name)
+
+
+def _api_key_values(args: tuple[str, ...] | list[str]) -> list[tuple[int, list[int]]]:
+    """Each --api-key flag in `args` (any spelling vLLM takes): its index and its values'
+    indices (nargs="+": up to the next option; the flag's own for `--api-key=K`)."""
+    found = []
     for i, arg in enumerate(args):
-        name, eq, inline = arg.partition("=")
-        if not _is_flag(name, flag):
+        if not _is_api_key_flag(arg):
             continue
-        following = itertools.takewhile(lambda a: not a.startswith("-"), args[i + 1 :])
-        values = (inline,) if eq else tuple(following)
-    return values
+        if "=" in arg:
+            found.append((i, [i]))
+            continue
+        following = itertools.takewhile(
+            lambda j: not args[j].startswith("-"), range(i + 1, len(args))
+        )
+        found.append((i, list(following)))
+    return found
+
+
+def api_keys_given(args: tuple[str, ...] | list[str]) -> tuple[str, ...] | None:
+    """The keys of the last --api-key on the command line (the one vLLM takes), or None."""
+    found = _api_key_values(args)
+    if not found:
+        return None
+    flag, values = found[-1]
+    return tuple(args[j].partition("=")[2] if j == flag else args[j] for j in values)
+
+
+def without_api_key(args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`args` minus every --api-key and its values."""
+    dropped = {j for i, values in _api_key_values(args) for j in (i, *values)}
+    return tuple(a for j, a in enumerate(args) if j not in dropped)
+
+
+def masked(args: tuple[str, ...] | list[str]) -> list[str]:
+    """`args` for printing: every --api-key value shown as ***."""
+    shown = list(args)
+    for flag, values in _api_key_values(args):
+        for j in values:
+            shown[j] = f"{args[j].partition('=')[0]}=***" if j == flag else "***"
+    return shown
 
 
 def without_flag(args: tuple[str, ...] | list[str], flag: str) -> tuple[str, ...]:
