@@ -239,9 +239,11 @@ def test_sigterm_with_16_streams_in_flight_stops_every_process_within_the_grace(
 
 
 def test_a_replica_failing_at_start_up_stops_everything(tiny_model_dir):
-    # Unknown flags go to vLLM, whose argument parser refuses this one in every replica.
+    # vLLM's parser takes this flag (as serve's own check of the flags does); the platform
+    # refuses it in every replica's engine at start-up.
+    connector = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both"})
     command = serve_command(
-        tiny_model_dir, free_port(), "--data-parallel-size", "2", "--no-such-vllm-flag"
+        tiny_model_dir, free_port(), "--data-parallel-size", "2", "--kv-transfer-config", connector
     )
     process = subprocess.Popen(
         command, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
