@@ -1,0 +1,407 @@
+"""Faults under load: `vllm-aot serve --data-parallel-size 2` with 16 keyed streams throughout.
+
+Starts serve on the tiny random model (eager backend, an API key, a soft open-file limit of
+1024), keeps 16 streaming /v1/completions clients busy for the whole run, and injects one
+fault after the other:
+
+  a) 1,100 idle connections that send half a request header (from 5 loopback addresses);
+  b) OPTIONS /metrics without a key, and a CORS preflight;
+  c) requests without a key and with a wrong key to several routes;
+  d) SIGKILL of replica 0's engine (the replica restarts; pooled connections to it go stale);
+  e) a request straight to a replica's port without the replica key (with the client key).
+
+For each: requests completed and failed among the 16 streams (the streams on the killed
+replica during d are the ones it targets, counted apart) and what the attacker got. Then
+SIGTERM, and a check that no process of serve's tree is left and no file of theirs in /dev/shm,
+/tmp or their TMPDIR and runtime directory. Exits 1 on any loss.
+
+    .venv/bin/python bench/fault_load.py [--streams 16] [--max-tokens 32]
+
+Not a test: about 3-5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from vllm_aot.models.prepare import prepare_default_model
+from vllm_aot.models.tiny import make_tiny_model
+from vllm_aot.testing import free_port, wait_healthy
+
+API_KEY = "load-secret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SHAPES = ["--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "4",
+          "--max-num-batched-tokens", "64", "--dtype", "float32"]  # fmt: skip
+ATTACK_ADDRESSES = [f"127.0.0.{i}" for i in range(2, 7)]
+KEYED_ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                ("POST", "/invocations"), ("GET", "/metrics"), ("POST", "/start_profile"),
+                ("POST", "/pooling"), ("POST", "/score")]  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    phase: str
+    replica: str | None
+    ok: bool
+    error: str = ""
+    started: float = 0.0
+    ended: float = 0.0
+
+
+@dataclass
+class Run:
+    url: str
+    phase: str = "warm-up"
+    stop: threading.Event = field(default_factory=threading.Event)
+    outcomes: list[Outcome] = field(default_factory=list)
+    attacker: dict[str, str] = field(default_factory=dict)
+
+
+def stream_loop(run: Run, max_tokens: int) -> None:
+    """One legitimate client: keyed streaming completions, one after the other, until stopped."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with httpx.Client(timeout=120) as client:
+        while not run.stop.is_set():
+            outcome = Outcome(run.phase, None, False, started=time.monotonic())
+            try:
+                with client.stream(
+                    "POST", f"{run.url}/v1/completions", json=body, headers=AUTH
+                ) as response:
+                    outcome.replica = response.headers.get("x-vllm-aot-replica")
+                    if response.status_code != 200:
+                        outcome.error = f"HTTP {response.status_code} {response.read()[:120]!r}"
+                    else:
+                        last = ""
+                        for line in response.iter_lines():
+                            if line.startswith("data: "):
+                                last = line.removeprefix("data: ")
+                        outcome.ok = last == "[DONE]"
+                        outcome.error = "" if outcome.ok else f"stream ended: {last[:160]}"
+            except httpx.HTTPError as exc:
+                outcome.error = f"transport: {exc!r}"[:200]
+            outcome.ended = time.monotonic()
+            run.outcomes.append(outcome)
+
+
+def half_header_connections(port: int, count: int) -> list[socket.socket]:
+    """`count` connections from the attack addresses, each sending half a request header."""
+    sockets = []
+    for i in range(count):
+        sock = socket.socket()
+        sock.bind((ATTACK_ADDRESSES[i % len(ATTACK_ADDRESSES)], 0))
+        sock.settimeout(5)
+        try:
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        except OSError:
+            sock.close()
+            continue
+        sock.setblocking(False)
+        sockets.append(sock)
+    return sockets
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        sock.recv(4096)  # an answer (503) or EOF: the server let it go
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def fault_idle_connections(run: Run, port: int) -> None:
+    t0 = time.monotonic()
+    sockets = half_header_connections(port, 1100)
+    opened = time.monotonic() - t0
+    keyed = httpx.get(f"{run.url}/v1/models", headers=AUTH, timeout=30).status_code
+    time.sleep(2)
+    early = sum(closed_by_server(s) for s in sockets)
+    deadline = time.monotonic() + 15  # header timeout 10 s
+    while time.monotonic() < deadline and not all(closed_by_server(s) for s in sockets):
+        time.sleep(0.5)
+    left = sum(not closed_by_server(s) for s in sockets)
+    for sock in sockets:
+        sock.close()
+    after = httpx.get(f"{run.url}/v1/models", headers=AUTH, timeout=30).status_code
+    run.attacker["a"] = (
+        f"{len(sockets)} opened in {opened:.1f} s; {early} let go within 2 s (cap), "
+        f"{len(sockets) - left} within {time.monotonic() - t0:.0f} s, {left} still open; "
+        f"keyed request during {keyed}, after {after}"
+    )
+
+
+def fault_options(run: Run) -> None:
+    metrics = httpx.request("OPTIONS", f"{run.url}/metrics", timeout=30)
+    preflight = httpx.request(
+        "OPTIONS",
+        f"{run.url}/v1/completions",
+        headers={"Origin": "https://example.com", "Access-Control-Request-Method": "POST"},
+        timeout=30,
+    )
+    leaked = "vllm:" in metrics.text
+    run.attacker["b"] = (
+        f"OPTIONS /metrics {metrics.status_code}{' WITH SERIES' if leaked else ''}; preflight "
+        f"{preflight.status_code} allow-origin "
+        f"{preflight.headers.get('access-control-allow-origin')}"
+    )
+    run.attacker["b_bad"] = str(metrics.status_code != 401 or leaked)
+
+
+def fault_bad_keys(run: Run) -> None:
+    got: Counter = Counter()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in KEYED_ROUTES:
+            body = {"model": "tiny", "prompt": "hi"} if method == "POST" else None
+            response = httpx.request(method, f"{run.url}{path}", json=body, headers=headers,
+                                     timeout=30)  # fmt: skip
+            got[response.status_code] += 1
+    run.attacker["c"] = ", ".join(f"{n}x {status}" for status, n in sorted(got.items()))
+    run.attacker["c_bad"] = str(set(got) != {401})
+
+
+def replica_pid_and_port(log: Path, index: int) -> tuple[int, int]:
+    found = re.findall(rf"replica {index} \(pid (\d+)\) on .*:(\d+)$", log.read_text(), re.M)
+    pid, port = found[-1]
+    return int(pid), int(port)
+
+
+def replica_states(url: str) -> list[bool]:
+    return [r["healthy"] for r in httpx.get(f"{url}/health", timeout=30).json()["replicas"]]
+
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if condition():
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def fault_kill_engine(run: Run, log: Path) -> tuple[float, float]:
+    """SIGKILL replica 0's engine; (kill time, re-admission time)."""
+    pid, _ = replica_pid_and_port(log, 0)
+    engines = psutil.Process(pid).children(recursive=True)
+    victim = engines[0] if engines else psutil.Process(pid)
+    killed_at = time.monotonic()
+    victim.kill()
+    ejected = wait_for(lambda: not replica_states(run.url)[0], 60, "replica 0 ejected")
+    back = wait_for(lambda: all(replica_states(run.url)), 240, "replica 0 re-admitted")
+    run.attacker["d"] = (
+        f"killed {victim.name()} (pid {victim.pid}); ejected after {ejected:.1f} s, "
+        f"re-admitted {back:.0f} s later"
+    )
+    return killed_at, time.monotonic()
+
+
+def fault_direct_replica(run: Run, log: Path) -> None:
+    _, port = replica_pid_and_port(log, 1)
+    got = []
+    for headers in ({}, AUTH):
+        for path in ("/health", "/v1/models", "/metrics"):
+            got.append(httpx.get(f"http://127.0.0.1:{port}{path}", headers=headers,
+                                 timeout=30).status_code)  # fmt: skip
+    run.attacker["e"] = f"replica port {port}: {got}"
+    run.attacker["e_bad"] = str(set(got) != {401})
+
+
+class TreeWatcher:
+    """Every process of serve's tree, and the /dev/shm and /tmp files they map or hold."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.processes: dict[int, psutil.Process] = {pid: self.root}
+        self.files: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.look()
+
+    def look(self) -> None:
+        try:
+            children = self.root.children(recursive=True)
+        except psutil.Error:
+            return
+        for process in children:
+            self.processes.setdefault(process.pid, process)
+            try:
+                paths = [m.path for m in process.memory_maps()] + [
+                    f.path for f in process.open_files()
+                ]
+            except (psutil.Error, OSError):
+                continue
+            self.files |= {p for p in paths if p.startswith(("/dev/shm/", "/tmp/"))}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def left(self) -> list[str]:
+        alive = []
+        for process in self.processes.values():
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{process.pid} {process.name()}")
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            except psutil.AccessDenied:
+                alive.append(f"{process.pid} (access denied)")
+        return alive
+
+
+def low_nofile() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+
+def summarize(run: Run, phases: list[tuple[str, str]], kill_window) -> tuple[list, int]:
+    rows, losses = [], 0
+    for key, label in phases:
+        outcomes = [o for o in run.outcomes if o.phase == key]
+        targeted = [
+            o for o in outcomes
+            if not o.ok and key == "d" and o.replica in ("0", None)
+            and kill_window and o.started <= kill_window[0] <= o.ended
+        ]  # fmt: skip
+        failed = [o for o in outcomes if not o.ok and o not in targeted]
+        losses += len(failed)
+        bad = run.attacker.get(f"{key}_bad") == "True"
+        losses += bad
+        rows.append((label, sum(o.ok for o in outcomes), len(failed), len(targeted),
+                     run.attacker.get(key, "")))  # fmt: skip
+        for o in failed[:5]:
+            print(f"  [{key}] failed on replica {o.replica}: {o.error}")
+    return rows, losses
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the attacker's 1,100 sockets
+
+    work = Path(tempfile.mkdtemp(prefix="fault-load-"))
+    private_tmp = work / "tmp"
+    private_tmp.mkdir()
+    runtime = work / "run"
+    model = make_tiny_model(work / "tiny", tokenizer_dir=prepare_default_model())
+    port = free_port()
+    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model), "--backend",
+               "eager", "--port", str(port), *SHAPES, "--data-parallel-size", "2",
+               "--api-key", API_KEY, "--proxy-health-interval", "0.5",
+               "--replica-log-dir", str(work)]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(private_tmp),
+           "VLLM_AOT_RUNTIME_DIR": str(runtime),
+           "VLLM_AOT_COMPILE_CACHE": str(work / "compiled")}  # fmt: skip
+    shm_before = set(os.listdir("/dev/shm"))
+    log = work / "serve.log"
+    t_start = time.monotonic()
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=low_nofile
+        )
+    url = f"http://127.0.0.1:{port}"
+    watcher = TreeWatcher(process.pid)
+    run = Run(url)
+    threads: list[threading.Thread] = []
+    kill_window = None
+    phases = [("a", "a) 1,100 idle half-header connections"),
+              ("b", "b) OPTIONS /metrics, CORS preflight"),
+              ("c", "c) no key / wrong key, 8 routes"),
+              ("d", "d) SIGKILL replica 0's engine"),
+              ("e", "e) replica port without replica key"),
+              ("tail", "after the faults")]  # fmt: skip
+    try:
+        wait_healthy(url, process, timeout=300)
+        wait_for(lambda: all(replica_states(url)), 120, "both replicas healthy")
+        print(f"serve up in {time.monotonic() - t_start:.0f} s (pid {process.pid})", flush=True)
+        threads = [threading.Thread(target=stream_loop, args=(run, args.max_tokens), daemon=True)
+                   for _ in range(args.streams)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        time.sleep(5)
+        for key, inject in [("a", lambda: fault_idle_connections(run, port)),
+                            ("b", lambda: fault_options(run)),
+                            ("c", lambda: fault_bad_keys(run)),
+                            ("d", lambda: fault_kill_engine(run, log)),
+                            ("e", lambda: fault_direct_replica(run, log))]:  # fmt: skip
+            run.phase = key
+            print(f"fault {key} ...", flush=True)
+            result = inject()
+            if key == "d":
+                kill_window = result
+            time.sleep(5)  # the streams run on past the fault
+        run.phase = "tail"
+        time.sleep(5)
+    except Exception as exc:  # report what was measured, then stop everything
+        print(f"run aborted: {exc!r}", flush=True)
+        run.attacker["abort"] = repr(exc)
+    finally:
+        run.stop.set()
+        for thread in threads:
+            thread.join(120)
+        watcher.look()
+        watcher.close()
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(60)
+        except subprocess.TimeoutExpired:
+            code = "hung (killed)"
+            process.kill()
+            process.wait()
+    time.sleep(1)
+    left = watcher.left()
+    files = sorted(p for p in watcher.files if os.path.exists(p))
+    files += [str(p) for p in private_tmp.rglob("*")]
+    files += [str(p) for p in runtime.rglob("*") if p.is_file()]
+    new_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
+
+    rows, losses = summarize(run, phases, kill_window)
+    print(f"\nvllm-aot serve --data-parallel-size 2, {args.streams} streams of "
+          f"{args.max_tokens} tokens, {time.monotonic() - t_start:.0f} s wall\n")  # fmt: skip
+    print(
+        "| fault | streams completed | streams failed | targeted (killed replica) | attacker got |"
+    )
+    print("|---|---|---|---|---|")
+    for label, done, failed, targeted, got in rows:
+        print(f"| {label} | {done} | {failed} | {targeted} | {got} |")
+    print(
+        f"| SIGTERM | exit {code} | | | {len(watcher.processes)} processes seen, "
+        f"{len(left)} left {left}; files left {files or 0} |"
+    )
+    if new_shm:
+        print(f"(new in /dev/shm during the run, not attributed to serve: {new_shm})")
+    losses += len(left) + len(files) + (code != 0) + ("abort" in run.attacker)
+    print(f"\n{'OK' if losses == 0 else f'LOSSES: {losses}'}; logs in {work}")
+    return 1 if losses else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
