@@ -160,7 +160,7 @@ def fault_options(run: Run) -> None:
     leaked = "vllm:" in metrics.text
     run.attacker["b"] = (
         f"OPTIONS /metrics {metrics.status_code}{' WITH SERIES' if leaked else ''}; preflight "
-        f"{preflight.status_code} allow-origin "
+        f"{preflight.status_code} {preflight.text[:40]!r} allow-origin "
         f"{preflight.headers.get('access-control-allow-origin')}"
     )
     run.attacker["b_bad"] = str(metrics.status_code != 401 or leaked)
@@ -205,15 +205,17 @@ def fault_kill_engine(run: Run, log: Path) -> tuple[float, float]:
     pid, _ = replica_pid_and_port(log, 0)
     engines = psutil.Process(pid).children(recursive=True)
     victim = engines[0] if engines else psutil.Process(pid)
+    name = victim.name()
     killed_at = time.monotonic()
     victim.kill()
     ejected = wait_for(lambda: not replica_states(run.url)[0], 60, "replica 0 ejected")
+    ejected_at = time.monotonic()
     back = wait_for(lambda: all(replica_states(run.url)), 240, "replica 0 re-admitted")
     run.attacker["d"] = (
-        f"killed {victim.name()} (pid {victim.pid}); ejected after {ejected:.1f} s, "
+        f"killed {name} (pid {victim.pid}); ejected after {ejected:.1f} s, "
         f"re-admitted {back:.0f} s later"
     )
-    return killed_at, time.monotonic()
+    return killed_at, ejected_at
 
 
 def fault_direct_replica(run: Run, log: Path) -> None:
@@ -279,15 +281,20 @@ def low_nofile() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
 
 
+def is_targeted(o: Outcome, kill_window: tuple[float, float] | None) -> bool:
+    """A request the kill targets: on replica 0, in flight at the kill or sent to it before the
+    proxy's /health showed it ejected (a second's margin for the health check's interval)."""
+    if kill_window is None or o.ok or o.replica not in ("0", None):
+        return False
+    killed_at, ejected_at = kill_window
+    return o.ended >= killed_at and o.started <= ejected_at + 1.0
+
+
 def summarize(run: Run, phases: list[tuple[str, str]], kill_window) -> tuple[list, int]:
     rows, losses = [], 0
     for key, label in phases:
         outcomes = [o for o in run.outcomes if o.phase == key]
-        targeted = [
-            o for o in outcomes
-            if not o.ok and key == "d" and o.replica in ("0", None)
-            and kill_window and o.started <= kill_window[0] <= o.ended
-        ]  # fmt: skip
+        targeted = [o for o in outcomes if key == "d" and is_targeted(o, kill_window)]
         failed = [o for o in outcomes if not o.ok and o not in targeted]
         losses += len(failed)
         bad = run.attacker.get(f"{key}_bad") == "True"
@@ -378,7 +385,7 @@ def main() -> int:
             process.wait()
     time.sleep(1)
     left = watcher.left()
-    files = sorted(p for p in watcher.files if os.path.exists(p))
+    files = sorted(p for p in watcher.files if os.path.exists(p) and not p.startswith(f"{work}/"))
     files += [str(p) for p in private_tmp.rglob("*")]
     files += [str(p) for p in runtime.rglob("*") if p.is_file()]
     new_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
