@@ -1,28 +1,22 @@
 """Faults under load: `vllm-aot serve --data-parallel-size 2` with 16 keyed streams throughout.
 
-Starts serve on the tiny random model (eager backend, an API key, a soft open-file limit of
-1024), keeps 16 streaming /v1/completions clients busy for the whole run, and injects one
-fault after the other:
-
-  a) 1,100 idle connections that send half a request header (from 5 loopback addresses);
-  b) OPTIONS /metrics without a key, and a CORS preflight;
-  c) requests without a key and with a wrong key to several routes;
-  d) SIGKILL of replica 0's engine (the replica restarts; pooled connections to it go stale);
-  e) a request straight to a replica's port without the replica key (with the client key).
-
-For each: requests completed and failed among the 16 streams (the streams on the killed
-replica during d are the ones it targets, counted apart) and what the attacker got. Then
-SIGTERM, and a check that no process of serve's tree is left and no file of theirs in /dev/shm,
-/tmp or their TMPDIR and runtime directory. Exits 1 on any loss.
+Serves the tiny random model (eager, an API key, a soft open-file limit of 1024); while 16
+streaming /v1/completions clients run, injects one after the other: a) 1,100 idle connections
+sending half a request header (from 5 loopback addresses); b) OPTIONS /metrics without a key
+and a CORS preflight; c) no key / a wrong key on several routes; d) SIGKILL of replica 0's
+engine (it restarts; pooled connections to it go stale); e) a replica's port without the
+replica key. Prints per fault the streams' requests completed and failed (those on the killed
+replica in d, in flight or sent before its ejection, counted apart) and what the attacker
+got; then SIGTERM, and no process of serve's tree nor file of theirs (/dev/shm, /tmp, their
+TMPDIR and runtime directory) may be left. Exits 1 on any loss. Not a test: ~5 min on 2 cores.
 
     .venv/bin/python bench/fault_load.py [--streams 16] [--max-tokens 32]
-
-Not a test: about 3-5 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import resource
@@ -150,13 +144,9 @@ def fault_idle_connections(run: Run, port: int) -> None:
 
 
 def fault_options(run: Run) -> None:
-    metrics = httpx.request("OPTIONS", f"{run.url}/metrics", timeout=30)
-    preflight = httpx.request(
-        "OPTIONS",
-        f"{run.url}/v1/completions",
-        headers={"Origin": "https://example.com", "Access-Control-Request-Method": "POST"},
-        timeout=30,
-    )
+    metrics = httpx.options(f"{run.url}/metrics", timeout=30)
+    cors = {"Origin": "https://example.com", "Access-Control-Request-Method": "POST"}
+    preflight = httpx.options(f"{run.url}/v1/completions", headers=cors, timeout=30)
     leaked = "vllm:" in metrics.text
     run.attacker["b"] = (
         f"OPTIONS /metrics {metrics.status_code}{' WITH SERIES' if leaked else ''}; preflight "
@@ -191,17 +181,15 @@ def replica_states(url: str) -> list[bool]:
 def wait_for(condition, timeout: float, what: str) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             if condition():
                 return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
         time.sleep(0.2)
     raise TimeoutError(what)
 
 
 def fault_kill_engine(run: Run, log: Path) -> tuple[float, float]:
-    """SIGKILL replica 0's engine; (kill time, re-admission time)."""
+    """SIGKILL replica 0's engine; (kill time, time /health first showed it ejected)."""
     pid, _ = replica_pid_and_port(log, 0)
     engines = psutil.Process(pid).children(recursive=True)
     victim = engines[0] if engines else psutil.Process(pid)
@@ -252,9 +240,8 @@ class TreeWatcher:
         for process in children:
             self.processes.setdefault(process.pid, process)
             try:
-                paths = [m.path for m in process.memory_maps()] + [
-                    f.path for f in process.open_files()
-                ]
+                paths = [m.path for m in process.memory_maps()]
+                paths += [f.path for f in process.open_files()]
             except (psutil.Error, OSError):
                 continue
             self.files |= {p for p in paths if p.startswith(("/dev/shm/", "/tmp/"))}
@@ -276,11 +263,6 @@ class TreeWatcher:
         return alive
 
 
-def low_nofile() -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
-
-
 def is_targeted(o: Outcome, kill_window: tuple[float, float] | None) -> bool:
     """A request the kill targets: on replica 0, in flight at the kill or sent to it before the
     proxy's /health showed it ejected (a second's margin for the health check's interval)."""
@@ -296,14 +278,67 @@ def summarize(run: Run, phases: list[tuple[str, str]], kill_window) -> tuple[lis
         outcomes = [o for o in run.outcomes if o.phase == key]
         targeted = [o for o in outcomes if key == "d" and is_targeted(o, kill_window)]
         failed = [o for o in outcomes if not o.ok and o not in targeted]
-        losses += len(failed)
-        bad = run.attacker.get(f"{key}_bad") == "True"
-        losses += bad
+        losses += len(failed) + (run.attacker.get(f"{key}_bad") == "True")
         rows.append((label, sum(o.ok for o in outcomes), len(failed), len(targeted),
                      run.attacker.get(key, "")))  # fmt: skip
         for o in failed[:5]:
             print(f"  [{key}] failed on replica {o.replica}: {o.error}")
     return rows, losses
+
+
+PHASES = [("a", "a) 1,100 idle half-header connections"), ("b", "b) OPTIONS /metrics, preflight"),
+          ("c", "c) no key / wrong key, 8 routes"), ("d", "d) SIGKILL replica 0's engine"),
+          ("e", "e) replica port without replica key"), ("tail", "after the faults")]  # fmt: skip
+
+
+def start_serve(work: Path, port: int) -> subprocess.Popen:
+    """serve DP=2 under a soft open-file limit of 1024, its temporary and runtime directories
+    under `work` (tmp/, run/), its log in work/serve.log."""
+    model = make_tiny_model(work / "tiny", tokenizer_dir=prepare_default_model())
+    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model), "--backend",
+               "eager", "--port", str(port), *SHAPES, "--data-parallel-size", "2",
+               "--api-key", API_KEY, "--proxy-health-interval", "0.5",
+               "--replica-log-dir", str(work)]  # fmt: skip
+    (work / "tmp").mkdir()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(work / "tmp"),
+           "VLLM_AOT_RUNTIME_DIR": str(work / "run"),
+           "VLLM_AOT_COMPILE_CACHE": str(work / "compiled")}  # fmt: skip
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low_nofile = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    with open(work / "serve.log", "wb") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=low_nofile)  # fmt: skip
+
+
+def inject_faults(run: Run, port: int, log: Path, streams: list[threading.Thread]):
+    """Start the streams, inject the faults one after the other; the kill's window."""
+    for thread in streams:
+        thread.start()
+    time.sleep(5)
+    kill_window = None
+    for key, inject in [("a", lambda: fault_idle_connections(run, port)),
+                        ("b", lambda: fault_options(run)),
+                        ("c", lambda: fault_bad_keys(run)),
+                        ("d", lambda: fault_kill_engine(run, log)),
+                        ("e", lambda: fault_direct_replica(run, log))]:  # fmt: skip
+        run.phase = key
+        print(f"fault {key} ...", flush=True)
+        result = inject()
+        kill_window = result if key == "d" else kill_window
+        time.sleep(5)  # the streams run on past the fault
+    run.phase = "tail"
+    time.sleep(5)
+    return kill_window
+
+
+def stop_serve(process: subprocess.Popen) -> int | str:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return "hung (killed)"
 
 
 def main() -> int:
@@ -313,84 +348,38 @@ def main() -> int:
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the attacker's 1,100 sockets
-
     work = Path(tempfile.mkdtemp(prefix="fault-load-"))
-    private_tmp = work / "tmp"
-    private_tmp.mkdir()
-    runtime = work / "run"
-    model = make_tiny_model(work / "tiny", tokenizer_dir=prepare_default_model())
     port = free_port()
-    command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", str(model), "--backend",
-               "eager", "--port", str(port), *SHAPES, "--data-parallel-size", "2",
-               "--api-key", API_KEY, "--proxy-health-interval", "0.5",
-               "--replica-log-dir", str(work)]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(private_tmp),
-           "VLLM_AOT_RUNTIME_DIR": str(runtime),
-           "VLLM_AOT_COMPILE_CACHE": str(work / "compiled")}  # fmt: skip
-    shm_before = set(os.listdir("/dev/shm"))
-    log = work / "serve.log"
     t_start = time.monotonic()
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=low_nofile
-        )
-    url = f"http://127.0.0.1:{port}"
+    process = start_serve(work, port)
     watcher = TreeWatcher(process.pid)
-    run = Run(url)
-    threads: list[threading.Thread] = []
+    run = Run(f"http://127.0.0.1:{port}")
+    streams = [threading.Thread(target=stream_loop, args=(run, args.max_tokens), daemon=True)
+               for _ in range(args.streams)]  # fmt: skip
     kill_window = None
-    phases = [("a", "a) 1,100 idle half-header connections"),
-              ("b", "b) OPTIONS /metrics, CORS preflight"),
-              ("c", "c) no key / wrong key, 8 routes"),
-              ("d", "d) SIGKILL replica 0's engine"),
-              ("e", "e) replica port without replica key"),
-              ("tail", "after the faults")]  # fmt: skip
     try:
-        wait_healthy(url, process, timeout=300)
-        wait_for(lambda: all(replica_states(url)), 120, "both replicas healthy")
+        wait_healthy(run.url, process, timeout=300)
+        wait_for(lambda: all(replica_states(run.url)), 120, "both replicas healthy")
         print(f"serve up in {time.monotonic() - t_start:.0f} s (pid {process.pid})", flush=True)
-        threads = [threading.Thread(target=stream_loop, args=(run, args.max_tokens), daemon=True)
-                   for _ in range(args.streams)]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        time.sleep(5)
-        for key, inject in [("a", lambda: fault_idle_connections(run, port)),
-                            ("b", lambda: fault_options(run)),
-                            ("c", lambda: fault_bad_keys(run)),
-                            ("d", lambda: fault_kill_engine(run, log)),
-                            ("e", lambda: fault_direct_replica(run, log))]:  # fmt: skip
-            run.phase = key
-            print(f"fault {key} ...", flush=True)
-            result = inject()
-            if key == "d":
-                kill_window = result
-            time.sleep(5)  # the streams run on past the fault
-        run.phase = "tail"
-        time.sleep(5)
+        kill_window = inject_faults(run, port, work / "serve.log", streams)
     except Exception as exc:  # report what was measured, then stop everything
         print(f"run aborted: {exc!r}", flush=True)
         run.attacker["abort"] = repr(exc)
     finally:
         run.stop.set()
-        for thread in threads:
-            thread.join(120)
+        for thread in streams:
+            if thread.is_alive():
+                thread.join(120)
         watcher.look()
         watcher.close()
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(60)
-        except subprocess.TimeoutExpired:
-            code = "hung (killed)"
-            process.kill()
-            process.wait()
+        code = stop_serve(process)
     time.sleep(1)
     left = watcher.left()
     files = sorted(p for p in watcher.files if os.path.exists(p) and not p.startswith(f"{work}/"))
-    files += [str(p) for p in private_tmp.rglob("*")]
-    files += [str(p) for p in runtime.rglob("*") if p.is_file()]
-    new_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    files += [str(p) for p in (work / "tmp").rglob("*")]
+    files += [str(p) for p in (work / "run").rglob("*") if p.is_file()]
 
-    rows, losses = summarize(run, phases, kill_window)
+    rows, losses = summarize(run, PHASES, kill_window)
     print(f"\nvllm-aot serve --data-parallel-size 2, {args.streams} streams of "
           f"{args.max_tokens} tokens, {time.monotonic() - t_start:.0f} s wall\n")  # fmt: skip
     print(
@@ -399,12 +388,8 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for label, done, failed, targeted, got in rows:
         print(f"| {label} | {done} | {failed} | {targeted} | {got} |")
-    print(
-        f"| SIGTERM | exit {code} | | | {len(watcher.processes)} processes seen, "
-        f"{len(left)} left {left}; files left {files or 0} |"
-    )
-    if new_shm:
-        print(f"(new in /dev/shm during the run, not attributed to serve: {new_shm})")
+    print(f"| SIGTERM | exit {code} | | | {len(watcher.processes)} processes seen, "
+          f"{len(left)} left {left}; files left {files or 0} |")  # fmt: skip
     losses += len(left) + len(files) + (code != 0) + ("abort" in run.attacker)
     print(f"\n{'OK' if losses == 0 else f'LOSSES: {losses}'}; logs in {work}")
     return 1 if losses else 0
