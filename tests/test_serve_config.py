@@ -3,6 +3,8 @@ test_placement.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vllm_aot.cli.main import build_parser, main, reclaim_flag_value
@@ -13,6 +15,7 @@ from vllm_aot.serve.launch import (
     check_replica_keys,
     hand_key_to_server,
     new_replica_key,
+    private_rpc_dir,
     replica_launch,
 )
 from vllm_aot.serve.metrics import label_sample
@@ -330,3 +333,12 @@ def test_serve_pins_vllms_flags_as_vllm_parses_them_and_the_platform_resolves_th
     assert requested["kv_cache_dtype"] == "fp8_e4m3" and requested["num_speculative_tokens"] == 3
     assert (requested["dtype"], requested["quantization"]) == ("bfloat16", "none")
     assert requested["block_size"] is None and requested["runner"] is None
+
+
+def test_replicas_socket_files_go_to_a_directory_of_the_launch_removed_at_its_end(tmp_path):
+    with private_rpc_dir({"VLLM_RPC_BASE_PATH": str(tmp_path), "A": "1"}) as env:
+        directory = Path(env["VLLM_RPC_BASE_PATH"])
+        assert directory.parent == tmp_path and env["A"] == "1"
+        assert directory.stat().st_mode & 0o777 == 0o700
+        (directory / "engine-socket").write_bytes(b"")  # as a killed engine leaves it
+    assert list(tmp_path.iterdir()) == []

@@ -55,6 +55,7 @@ class FakeReplica:
         app.router.add_post("/v1/stream", self.stream)
         app.router.add_post("/v1/die", self.die)
         app.router.add_post("/v1/hang-up", self.hang_up)
+        app.router.add_post("/v1/engine-dead", self.engine_dead)
         app.router.add_route("*", "/{tail:.*}", self.anything)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -104,6 +105,11 @@ class FakeReplica:
         await response.write(b'data: {"i": 0}\n\n')
         request.transport.abort()
         return response
+
+    async def engine_dead(self, request):
+        """Answer as vLLM does once its engine died: 500 here, 503 on /health from now on."""
+        self.is_healthy = False
+        return web.json_response({"error": "EngineCore encountered an issue"}, status=500)
 
     async def hang_up(self, request):
         """Close the connection before any answer, as a replica told to stop may."""
@@ -228,6 +234,25 @@ def test_connection_refused_is_retried_once_on_another_replica():
                 text = await response.text()
             assert "vllm_aot_proxy_retries_total 1" in text
             assert 'vllm_aot_proxy_ejections_total{replica="0"} 1' in text
+
+    run(main())
+
+
+def test_a_replica_answering_500_is_checked_at_once_and_ejected_when_its_health_fails():
+    async def main():
+        # Long health interval: only the check a 500 sets off can eject it in time.
+        async with proxied(health_interval=60) as (client, _, pool):
+            async with client.post("/v1/engine-dead", data=b"x") as response:
+                assert response.status == 500
+                dead = int(response.headers[REPLICA_HEADER])
+            for _ in range(100):
+                if not pool.replicas[dead].is_healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert not pool.replicas[dead].is_healthy
+            for _ in range(4):  # every request goes to the other one
+                async with client.post("/v1/echo", data=b"hello") as response:
+                    assert response.headers[REPLICA_HEADER] == str(1 - dead)
 
     run(main())
 

@@ -118,7 +118,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=limits.max_connections,
         help="client connections at once (at most what the open-file limit holds); a new one "
-        "takes the oldest idle one's place, or gets 503 where all are busy (default: %(default)s)",
+        "takes the place of the one idle longest, or gets 503 where all are busy "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--proxy-max-connections-per-client",

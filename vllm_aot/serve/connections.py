@@ -2,10 +2,11 @@
 files serving needs (its connections to the replicas, their health checks, their restarts).
 
 - At most `max_connections` client connections at once, and `max_connections_per_client` from
-  one client address. A new connection over either limit takes the place of the oldest idle one
+  one client address. A new connection over either limit takes the place of the one idle longest
   (no request in progress: still sending its header, or kept alive between requests) of that
   client, or of anyone for the total, which is closed; so a client sending a request gets in
-  however many connections sit idle. Where every one is busy with a request, the new one is
+  however many connections sit idle, and a kept-alive client between two requests is not cut off
+  for connections that have sat idle longer. Where every one is busy with a request, the new one is
   answered `503` naming the limit and closed; it never reaches aiohttp. The total is also capped
   to what the open-file limit allows (`fitting_limits`: each proxied request holds two
   descriptors, the client's and the replica's), and `serve` raises its soft open-file limit to
@@ -114,7 +115,7 @@ class ConnectionGuard:
         self.num_timed_out = 0
         self.num_lingering = 0
         self._per_client: collections.Counter[str] = collections.Counter()
-        self._open: dict[_GuardedProtocol, None] = {}  # oldest first
+        self._open: dict[_GuardedProtocol, None] = {}  # idle longest first
         self._by_handler: dict[Any, _GuardedProtocol] = {}
 
     @property
@@ -139,6 +140,8 @@ class ConnectionGuard:
                 return await handler(request)
             finally:
                 connection.num_requests -= 1
+                if connection.num_requests == 0:
+                    self._went_idle(connection)
 
         return request_received
 
@@ -169,8 +172,8 @@ class ConnectionGuard:
         ]
 
     def make_room(self, client: str) -> str | None:
-        """Room for a new connection from `client`: where it is at a limit, the oldest idle
-        connection of that client (its own limit) or of anyone (the total) is closed. Returns
+        """Room for a new connection from `client`: where it is at a limit, the connection idle
+        longest of that client (its own limit) or of anyone (the total) is closed. Returns
         the problem where no connection was idle."""
         limits = self.limits
         if self._per_client[client] >= limits.max_connections_per_client and not self._evict(
@@ -195,6 +198,11 @@ class ConnectionGuard:
                 connection.close_now()
                 return True
         return False
+
+    def _went_idle(self, connection: _GuardedProtocol) -> None:
+        """`connection` finished its requests: it is now the one idle the shortest time."""
+        if self._open.pop(connection, False) is not False:
+            self._open[connection] = None
 
     def opened(self, connection: _GuardedProtocol) -> None:
         self._open[connection] = None

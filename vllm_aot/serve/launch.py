@@ -27,9 +27,11 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
-from collections.abc import Awaitable
+import tempfile
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 
 from vllm_aot.models.embedding_model import EMBEDDING_MODEL_NAME
@@ -186,6 +188,19 @@ def hand_key_to_server(command: list[str], env: dict[str, str]) -> tuple[list[st
     return list(without_api_key(command)), {**env, "VLLM_API_KEY": keys[0]}
 
 
+@contextlib.contextmanager
+def private_rpc_dir(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """`env` with vLLM's `VLLM_RPC_BASE_PATH` (where its processes make their ZMQ socket files)
+    set to a directory of this launch (mode 0700), removed when serve ends: vLLM leaves those
+    files behind in the temporary directory after every stop and every killed engine."""
+    base = env.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="vllm-aot-rpc-", dir=base)
+    try:
+        yield {**env, "VLLM_RPC_BASE_PATH": path}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def new_replica_key() -> str:
     return secrets.token_urlsafe(32)
 
@@ -280,6 +295,11 @@ def run_serve(args: argparse.Namespace, passthrough: list[str], model_dir: Path)
             print(f"pinned to cores {format_core_list(groups[0])}", flush=True)
         print("$", " ".join(masked(command)), flush=True)
         os.execvpe(command[0], command, env)
+    with private_rpc_dir(env) as env:
+        return _serve_dp(args, groups, env, proxy_config, policy, model_dir, chosen, served_name)
+
+
+def _serve_dp(args, groups, env, proxy_config, policy, model_dir, chosen, served_name) -> int:
     from vllm_aot.processes import free_port
 
     specs = []

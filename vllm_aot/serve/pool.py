@@ -2,9 +2,11 @@
 
 Routing: the healthy replica with the fewest requests in flight; ties go round-robin. A replica
 leaves the rotation (ejection) when a health check fails, when a request to it cannot connect, or
-when the replica manager sees its process exit; a passing health check re-admits it. A started
-replica's failing health checks are timed from the first of the run (`failing_since`), so the
-manager can kill and restart one that stays up but stops answering.
+when the replica manager sees its process exit; a replica answering 5xx is checked at once, not
+at the next round (an engine that died answers 500 to every request until it is ejected); a
+passing health check re-admits it. A started replica's failing health checks are timed from the
+first of the run (`failing_since`), so the manager can kill and restart one that stays up but
+stops answering.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ReplicaState:
     last_problem: str | None = None
     failing_since: float | None = None  # monotonic time of the first failed check in a row
     is_retired: bool = False  # left down for good: no more checks, `last_problem` says why
+    check_now: asyncio.Task | None = field(default=None, repr=False)  # `check_at_once`
 
 
 @dataclass
@@ -205,6 +208,26 @@ async def check_replica(
         problem = f"/health failed: {failure(exc)}"
     pool.record_failed_check(replica, problem)
     return False
+
+
+def check_at_once(
+    session: aiohttp.ClientSession,
+    pool: ReplicaPool,
+    replica: ReplicaState,
+    timeout: float,
+    replica_key: str | None = None,
+) -> None:
+    """Check `replica`'s health now, not at the next round (one such check at a time)."""
+    if replica.check_now is not None and not replica.check_now.done():
+        return
+    check = check_replica(session, pool, replica, timeout, replica_key)
+    replica.check_now = asyncio.create_task(check)
+    replica.check_now.add_done_callback(_log_failed_check)
+
+
+def _log_failed_check(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("health check failed: %r", task.exception())
 
 
 async def health_loop(

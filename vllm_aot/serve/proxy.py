@@ -42,7 +42,7 @@ from vllm_aot.plugin.server_guard import REPLICA_KEY_HEADER, CorsSettings
 from vllm_aot.serve.auth import ApiKeys, authentication, cors_preflights
 from vllm_aot.serve.connections import ConnectionGuard, ConnectionLimits, fitting_limits
 from vllm_aot.serve.metrics import merge_expositions
-from vllm_aot.serve.pool import ReplicaPool, ReplicaState, failure, health_loop
+from vllm_aot.serve.pool import ReplicaPool, ReplicaState, check_at_once, failure, health_loop
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +354,11 @@ class Proxy:
             if self.is_stopping:  # the replica was told to stop before it answered
                 return _error(503, f"{message} (the server is shutting down)")
             return _error(504 if isinstance(exc, TimeoutError) else 502, message)
+        if upstream.status >= 500:  # an engine that died answers 500 until it is ejected
+            config = self.config
+            check_at_once(
+                self._session, self.pool, replica, config.health_timeout, config.replica_key
+            )
         try:
             response = await self._stream_back(request, replica, upstream)
         except BaseException:  # the client went away (cancelled) or writing to it failed
