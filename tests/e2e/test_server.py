@@ -31,8 +31,9 @@ def test_streamed_completion_equals_the_whole_one(client):
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
     whole = client.completions.create(**kwargs).choices[0].text
     parts = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs)]
-    assert len(parts) > 1
-    assert "".join(parts) == whole
+    # How many chunks carry the text depends on how far the client lags the engine (vLLM
+    # coalesces what it has not sent yet): on a loaded machine all of it may come in one.
+    assert parts and "".join(parts) == whole
 
 
 def test_chat_streamed_and_not(client):
