@@ -12,7 +12,7 @@ from threading import Barrier
 import httpx
 import pytest
 
-from tests.e2e.conftest import SERVER_ENV
+from tests.e2e.conftest import SERVER_ENV, SHAPE_ARGS
 from vllm_aot.testing import free_port, running_server, vllm_server_command
 
 # Auto-fit: the tiny model allows 4,096 tokens (512 bytes of KV each, float32); 1 MiB of KV
@@ -26,14 +26,7 @@ ARGS = [
     "-1",
     "--kv-cache-memory-bytes",
     str(KV_BYTES),
-    "--max-num-seqs",
-    "4",
-    "--max-num-batched-tokens",
-    "64",
-    "--block-size",
-    "16",
-    "--dtype",
-    "float32",
+    *SHAPE_ARGS[2:],  # the tiny model's shapes but its length: vLLM fits that to the KV budget
 ]
 # Without VLLM_CPU_KVCACHE_SPACE, which would replace --kv-cache-memory-bytes (vLLM's CPU platform).
 ENV = {k: v for k, v in SERVER_ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
