@@ -29,7 +29,7 @@ if [ ! -d "$src" ]; then
   tar xzf "$src.tar.gz" -C "$venv/src"
 fi
 
-if [ ! -x "$build/bin/llama-server" ]; then
+if [ ! -x "$build/bin/llama-server" ] || [ ! -x "$build/bin/llama-quantize" ]; then
   echo "building llama.cpp and llama-server (~10 min on 2 idle cores)" >&2
   mkdir -p "$build"
   cmake -S "$src/vendor/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -37,7 +37,7 @@ if [ ! -x "$build/bin/llama-server" ]; then
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$build/configure.log"
-  cmake --build "$build" --target llama-server -j "$(nproc)"
+  cmake --build "$build" --target llama-server llama-quantize -j "$(nproc)"
 fi
 
 export LLAMA_CPP_LIB_PATH="$build/bin"
