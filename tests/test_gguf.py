@@ -150,6 +150,29 @@ def test_layers_stored_in_other_types_serve_as_layer_groups(gguf_dirs, tiny_mode
     assert ran == {0, 1}
 
 
+def test_layer_groups_compile_export_and_load(gguf_dirs, tmp_path, caplog):
+    """Each group's layer programs compiled by Inductor (in workers), exported under their
+    names, and loaded back: the same greedy tokens as the eager programs."""
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+    from vllm_aot.loading.export_dir import export_model
+
+    types = {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in MORE_BITS}
+    model_dir = gguf_dirs("llama", GgmlType.Q4_0, types)
+    buckets = dict(decode_batch_buckets=(4,), prefill_token_buckets=(64,))
+    config = tiny_config(quantization="gguf", backend="inductor", **buckets)
+    cache = ProgramCache(CacheSettings(root=tmp_path / "cache"))
+    report = export_model(model_dir, tmp_path / "out", config, cache=cache, num_workers=2)
+    assert len(report.compile_seconds) == 8  # 3 layer programs per group, 2 heads
+    assert "decode_b4_c256_g1" in report.compile_seconds
+    with caplog.at_level("INFO"):
+        compiled = greedy(tmp_path / "out", None)
+    assert compiled == greedy(model_dir, tiny_config(quantization="gguf", **buckets))
+    assert (
+        "2 layer groups: layers 0 q4_0 (embed_tokens, lm_head: q8_0); "
+        "layers 1 down_proj, qkv_proj q8_0"
+    ) in caplog.text
+
+
 def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     """`vllm-aot export --compile-only --quantization gguf` fills the cache for the file's own
     formats, read from the file before the programs are asked for."""
