@@ -150,6 +150,7 @@ def test_layers_stored_in_other_types_serve_as_layer_groups(gguf_dirs, tiny_mode
     assert ran == {0, 1}
 
 
+@pytest.mark.slow  # eight programs compiled: minutes on two cores
 def test_layer_groups_compile_export_and_load(gguf_dirs, tmp_path, caplog):
     """Each group's layer programs compiled by Inductor (in workers), exported under their
     names, and loaded back: the same greedy tokens as the eager programs."""

@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import tiny_arch, tiny_config
 from vllm_aot.cache.keys import program_cache_key, program_fingerprint
+from vllm_aot.loading.program_sources import check_fits
 from vllm_aot.loading.progress import CompileProgress
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, all_program_keys
@@ -78,6 +79,8 @@ def test_the_configuration_normalises_and_checks_groups():
             two_groups(layer_groups=groups)
     with pytest.raises(ValueError, match="layer_groups are for a decoder's quantised weights"):
         tiny_config(layer_groups=(((1,), OVERRIDES),))
+    with pytest.raises(ValueError, match=r"layer_groups name layers \[2\]; the model has 2"):
+        check_fits(tiny_arch(), two_groups(layer_groups=(((1, 2), OVERRIDES),)))
 
 
 def test_the_summaries_name_each_group():

@@ -224,6 +224,9 @@ def check_fits(arch: ModelArch, config: RuntimeConfig) -> None:
             f"vllm-aot does not implement; use max_model_len <= {arch.sliding_window}"
         )
     config.rank_arch(arch)  # ValueError naming what does not split
+    beyond = [i for layers, _ in config.layer_groups for i in layers if i >= arch.num_layers]
+    if beyond:
+        raise ValueError(f"layer_groups name layers {beyond}; the model has {arch.num_layers}")
     if arch.is_encoder and (config.runner != "pooling" or config.convert is not None):
         raise ValueError(
             f"{arch.architecture} is an encoder: it serves runner 'pooling' (embeddings) as it "
