@@ -168,7 +168,7 @@ class CompiledModel:
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
         groups = range(self.config.num_layer_groups)
-        programs = [self._program(replace(key, group=g)) for g in groups]
+        programs = [self._program(replace(key, group=g) if g else key) for g in groups]
         with self.spans("layers"):  # embedding and rotary included
             hidden = self.embed(token_ids)
             if given is not None:
