@@ -32,6 +32,9 @@ CASES = [
     ("qwen3", GgmlType.Q4_1),  # q/k norms
 ]
 BUNDLED_FORMATS = (("*", "q4_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))
+# What a layer of a mixed file (llama.cpp's Q4_K_M) keeps in more bits: its q, k and v
+# together (qkv_proj is one fused weight), and down_proj.
+MORE_BITS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj")
 PROMPTS = ([1, 450, 4996, 17354, 1701], [1, 3681, 338])
 
 
@@ -121,6 +124,56 @@ def test_gguf_greedy_output_equals_the_dense_model_of_the_same_weights(
     assert greedy(dense_dir, tiny_config()) == ((), gguf_tokens)
 
 
+def test_layers_stored_in_other_types_serve_as_layer_groups(gguf_dirs, tiny_model_dirs, tmp_path):
+    """Layer 1 keeps its attention projections and down_proj in Q8_0, layer 0 in Q4_0 (as
+    Q4_K_M keeps some layers' in Q6_K): two layer groups, each with its own layer programs, and
+    greedy output equal to the dense model of the dequantised weights."""
+    types = {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in MORE_BITS}
+    model_dir = gguf_dirs("llama", GgmlType.Q4_0, types)
+    formats = (("*", "q4_0"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))
+    groups = (((1,), (("down_proj", "q8_0"), ("qkv_proj", "q8_0"))),)
+    assert resolve_weight_formats(model_dir, "gguf", torch.float32) == (formats, groups)
+    model, _ = load_model(model_dir, tiny_config(quantization="gguf"))
+    assert model.config.layer_groups == groups
+    layer_keys = [k for k in model.programs if k.is_layer]
+    assert {k.group for k in layer_keys} == {0, 1}
+    assert sum(k.group == 1 for k in layer_keys) == len(layer_keys) // 2
+    weights = model.weights.layers
+    assert weights[0]["qkv_proj.qweight"].dtype != weights[1]["qkv_proj.qweight"].dtype
+    dense_weights = transformers_weights(model_dir, tiny_model_dirs("llama"), "llama")
+    dense_dir = write_dense_twin(model_dir, dense_weights, tmp_path / "dense")
+    resolved, gguf_tokens = greedy(model_dir, tiny_config(quantization="gguf"))
+    assert resolved == formats
+    assert greedy(dense_dir, tiny_config()) == ((), gguf_tokens)
+    Generator(model).generate([GenerationRequest(list(PROMPTS[0]), max_tokens=2)])
+    ran = {k.group for k, n in model.num_executions.items() if n and k.is_layer}
+    assert ran == {0, 1}
+
+
+@pytest.mark.slow  # eight programs compiled: minutes on two cores
+def test_layer_groups_compile_export_and_load(gguf_dirs, tmp_path, caplog):
+    """Each group's layer programs compiled by Inductor (in workers), exported under their
+    names, and loaded back: the same greedy tokens as the eager programs."""
+    from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
+    from vllm_aot.loading.export_dir import export_model
+
+    types = {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in MORE_BITS}
+    model_dir = gguf_dirs("llama", GgmlType.Q4_0, types)
+    buckets = dict(decode_batch_buckets=(4,), prefill_token_buckets=(64,))
+    config = tiny_config(quantization="gguf", backend="inductor", **buckets)
+    cache = ProgramCache(CacheSettings(root=tmp_path / "cache"))
+    report = export_model(model_dir, tmp_path / "out", config, cache=cache, num_workers=2)
+    assert len(report.compile_seconds) == 8  # 3 layer programs per group, 2 heads
+    assert "decode_b4_c256_g1" in report.compile_seconds
+    with caplog.at_level("INFO"):
+        compiled = greedy(tmp_path / "out", None)
+    assert compiled == greedy(model_dir, tiny_config(quantization="gguf", **buckets))
+    assert (
+        "2 layer groups: layers 0 q4_0 (embed_tokens, lm_head: q8_0); "
+        "layers 1 down_proj, qkv_proj q8_0"
+    ) in caplog.text
+
+
 def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     """`vllm-aot export --compile-only --quantization gguf` fills the cache for the file's own
     formats, read from the file before the programs are asked for."""
@@ -153,13 +206,14 @@ def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
             {"model.layers.1.mlp.up_proj.weight": GgmlType.Q8_0},
             "gate_up_proj fuses mlp.gate_proj, mlp.up_proj, stored as Q4_1, Q8_0 in layer 1",
         ),
-        (
-            {"model.layers.1.mlp.down_proj.weight": GgmlType.Q8_0},
-            "down_proj is Q4_1 in layer 0 but Q8_0 in layer 1; one program serves every layer",
+        (  # Q4_K_M's mix: v in more bits than q and k, which qkv_proj fuses
+            {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in MORE_BITS[2:]},
+            "qkv_proj fuses self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, stored as "
+            "Q4_1, Q8_0 in layer 1; a fused linear needs one type",
         ),
     ],
 )
-def test_files_one_program_per_layer_cannot_serve_are_refused(gguf_dirs, types, message):
+def test_files_the_layer_programs_cannot_serve_are_refused(gguf_dirs, types, message):
     model_dir = gguf_dirs("llama", GgmlType.Q4_1, types)
     with pytest.raises(ValueError, match=message):
         resolve_weight_formats(model_dir, "gguf", torch.float32)
@@ -240,7 +294,7 @@ def test_the_bundled_gguf_planes_are_the_prepared_fp32_weights_bit_for_bit(defau
 def test_the_bundled_gguf_serves_q4_1_layers_and_a_tied_q8_0_head(default_model_dir):
     arch = load_arch(default_model_dir)
     for dtype in (torch.float32, torch.bfloat16):
-        assert resolve_weight_formats(default_model_dir, "gguf", dtype) == BUNDLED_FORMATS
+        assert resolve_weight_formats(default_model_dir, "gguf", dtype) == (BUNDLED_FORMATS, ())
     formats = dict(BUNDLED_FORMATS)
     weights = load_weights(
         default_model_dir,

@@ -19,7 +19,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.kv_cache import blocks_needed
 from vllm_aot.runtime.model import CompiledModel
-from vllm_aot.runtime.programs import Layer, ProgramKind
+from vllm_aot.runtime.programs import Layer, ProgramKind, program_config
 
 
 class SublayerSink(Protocol):
@@ -49,7 +49,8 @@ def instrumented_model(model: CompiledModel, tap: SublayerSink, num_tokens: int)
     programs = dict(model.programs)
     for key in programs:
         if key.is_layer:
-            layer = InstrumentedLayer(model.arch, model.config, kind=key.kind, tap=tap)
+            config = program_config(key, model.config)  # its layer group's formats
+            layer = InstrumentedLayer(model.arch, config, kind=key.kind, tap=tap)
             programs[key] = torch.no_grad()(layer)
     num_blocks = blocks_needed(num_tokens, model.config.block_size) + 1  # + the dummy block
     return CompiledModel(

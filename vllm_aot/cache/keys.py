@@ -25,7 +25,7 @@ import vllm_aot
 from vllm_aot.kernels import program_kernels
 from vllm_aot.models.config import ModelArch
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.programs import ProgramKey, ProgramKind
+from vllm_aot.runtime.programs import ProgramKey, ProgramKind, program_config
 
 # Bump when the layout of a cache entry changes (code changes are caught by the source digest).
 CACHE_FORMAT = 1
@@ -106,6 +106,10 @@ def arch_digest(arch: ModelArch) -> str:
 
 
 def program_fingerprint(arch: ModelArch, config: RuntimeConfig, key: ProgramKey) -> dict[str, Any]:
+    """What `key`'s program depends on; a layer group's layer program is keyed by its group's
+    configuration (`programs.program_config`), so it is the program of a one-group model in
+    those formats, and a one-group model's keys hold nothing of groups."""
+    config = program_config(key, config)
     shapes = config.shape_fields()
     return {
         "format": CACHE_FORMAT,

@@ -38,7 +38,8 @@ from vllm_aot.runtime.options import SELECTABLE
 
 logger = logging.getLogger(__name__)
 
-_SHAPE_FIELDS = frozenset(RuntimeConfig().shape_fields())
+# The fields a record's runtime must hold (`layer_groups` may be absent: one layer group).
+_SHAPE_FIELDS = frozenset(RuntimeConfig().shape_fields()) - {"layer_groups"}
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,7 @@ def _check_config(manifest_config: RuntimeConfig, expected: RuntimeConfig, artif
     have, want = manifest_config.shape_fields(), expected.shape_fields()
     if not expected.has_resolved_formats:  # gguf asked as such: the export read the file's formats
         want["weight_formats"] = have["weight_formats"]
+        want["layer_groups"] = have["layer_groups"]
     differing = [f"{k}={have[k]!r} (asked {want[k]!r})" for k in have if have[k] != want[k]]
     if differing:
         raise ArtifactMismatchError(

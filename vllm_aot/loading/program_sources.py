@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -111,12 +112,13 @@ def ensure_programs(
     def compile_fn(jobs, on_done) -> None:
         progress = None
         if options.show_progress:
-            progress = CompileProgress(len(jobs), write=options.progress_to)
+            groups = Counter(key.group for key, _ in jobs if key.is_layer)
+            progress = CompileProgress(len(jobs), write=options.progress_to, groups=groups)
 
         def done(key: ProgramKey, seconds: float) -> None:
             on_done(key, seconds)
             if progress is not None:
-                progress.update()
+                progress.update(key.group if key.is_layer else None)
 
         compile_programs(jobs, arch, config, num_workers=num_workers, on_done=done)
 
@@ -182,7 +184,7 @@ def with_checkpoint_formats(config: RuntimeConfig, model_dir: str | Path) -> Run
     if config.has_resolved_formats:
         return config
     formats = resolve_weight_formats(model_dir, config.quantization, config.torch_dtype)
-    return replace(config, weight_formats=formats)
+    return replace(config, **formats._asdict())
 
 
 def load_weights_timed(
@@ -200,6 +202,7 @@ def load_weights_timed(
         arch,
         config.torch_dtype,
         formats=config.linear_format,
+        layer_formats=config.layer_formats,
         quantization=config.quantization,
         rank=config.rank(rank),
     )
@@ -221,6 +224,9 @@ def check_fits(arch: ModelArch, config: RuntimeConfig) -> None:
             f"vllm-aot does not implement; use max_model_len <= {arch.sliding_window}"
         )
     config.rank_arch(arch)  # ValueError naming what does not split
+    beyond = [i for layers, _ in config.layer_groups for i in layers if i >= arch.num_layers]
+    if beyond:
+        raise ValueError(f"layer_groups name layers {beyond}; the model has {arch.num_layers}")
     if arch.is_encoder and (config.runner != "pooling" or config.convert is not None):
         raise ValueError(
             f"{arch.architecture} is an encoder: it serves runner 'pooling' (embeddings) as it "

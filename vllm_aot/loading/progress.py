@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 
@@ -29,10 +30,14 @@ class CompileProgress:
         stream: TextIO | None = None,
         log_every: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        groups: Mapping[int, int] | None = None,
     ) -> None:
-        """Report through `write(line)` (a logger) or redraw on `stream` (default stderr)."""
+        """Report through `write(line)` (a logger) or redraw on `stream` (default stderr);
+        `groups` (layer group -> its layer programs to compile) adds each group's count."""
         self.total = total
         self.done = 0
+        self.groups = dict(groups or {})
+        self.groups_done: Counter[int] = Counter()
         self._write = write
         self._stream = stream if stream is not None else sys.stderr
         self._is_tty = write is None and self._stream.isatty()
@@ -47,10 +52,16 @@ class CompileProgress:
         if 0 < self.done < self.total:
             left = elapsed / self.done * (self.total - self.done)
             text += f", about {_duration(left)} left"
+        if len(self.groups) > 1:
+            counts = (f"{g}: {self.groups_done[g]}/{n}" for g, n in sorted(self.groups.items()))
+            text += f" (layer programs by group {', '.join(counts)})"
         return text
 
-    def update(self) -> None:
+    def update(self, group: int | None = None) -> None:
+        """One more program compiled; `group`: the layer group of a layer program."""
         self.done += 1
+        if group is not None:
+            self.groups_done[group] += 1
         now = self._clock()
         is_last = self.done == self.total
         if self._is_tty:

@@ -86,6 +86,8 @@ def start(
     arch = load_arch(source)
     config = with_checkpoint_formats(config, weights_path)
     check_fits(arch, config)
+    if config.num_layer_groups > 1:
+        logger.info("vllm-aot: %s", config.groups_summary(arch.num_layers))
     options = replace(options, cache=options.cache or ProgramCache(CacheSettings.from_env()))
     paths = None
     if config.backend == "inductor" and not is_exported:

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.gguf import GgufFile, find_gguf, gguf_weight_formats
-from vllm_aot.models.linear import Linear, Rank, shard_stored, shard_weight
+from vllm_aot.models.linear import CheckpointFormats, Linear, Rank, shard_stored, shard_weight
 from vllm_aot.models.registry import load_arch
 
 
@@ -134,10 +134,11 @@ def open_checkpoint(model_dir: str | Path, quantization: str | None, arch: Model
 
 def resolve_weight_formats(
     model_dir: str | Path, quantization: str | None, dtype: torch.dtype
-) -> tuple[tuple[str, str], ...]:
-    """The `RuntimeConfig.weight_formats` `model_dir` serves under `quantization` with programs
-    of `dtype`: a GGUF's from its tensor types (`gguf.gguf_weight_formats`, refusing what it
-    cannot serve); () otherwise (dense, or every linear in int8: the configuration's default)."""
+) -> CheckpointFormats:
+    """The `RuntimeConfig.weight_formats` and `layer_groups` `model_dir` serves under
+    `quantization` with programs of `dtype`: a GGUF's from its tensor types
+    (`gguf.gguf_weight_formats`, refusing what it cannot serve); none otherwise (dense, or every
+    linear in int8: the configuration's default)."""
     if quantization != "gguf":
-        return ()
+        return CheckpointFormats()
     return gguf_weight_formats(find_gguf(model_dir), load_arch(model_dir), dtype)

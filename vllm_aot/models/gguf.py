@@ -14,9 +14,9 @@ are (no dequantise-then-requantise), under HF tensor names.
 - llama.cpp's converter interleaves the rotary halves of each head's q and k rows for `llama`
   (`LlamaModel.permute`); the rows of every plane are put back in HF's order here, as
   transformers' `LlamaTensorProcessor` does for its dequantised weights.
-- `gguf_weight_formats`: the `RuntimeConfig.weight_formats` a file serves, refusing what one
-  program per layer kind cannot run (types we do not read, fused parts of different types, a
-  linear whose type changes between layers).
+- `gguf_weight_formats`: the `RuntimeConfig.weight_formats` and `layer_groups` a file serves
+  (layers whose linears are stored in other types form further groups, each with programs of its
+  own), refusing what it cannot run (types we do not read, fused parts of different types).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import dense_format
-from vllm_aot.models.linear import EMBEDDING, LM_HEAD
+from vllm_aot.models.linear import EMBEDDING, LM_HEAD, CheckpointFormats
 from vllm_aot.models.registry import family_of
 
 GgmlType = GGMLQuantizationType
@@ -295,9 +295,11 @@ def type_format(ggml_type: GgmlType, dtype: torch.dtype, what: str) -> str:
     raise ValueError(f"{what} is {ggml_type.name}; supported types: {SUPPORTED_TYPES}")
 
 
-def _linear_type(gguf: GgufFile, arch: ModelArch, sources: tuple[str, ...], what: str) -> GgmlType:
-    """The one type of a layer linear's parts in every layer, refusing parts or layers that
-    differ (one program serves every layer)."""
+def _linear_types(
+    gguf: GgufFile, arch: ModelArch, sources: tuple[str, ...], what: str
+) -> list[GgmlType]:
+    """The type of a layer linear's parts in each layer, refusing parts of one layer that differ
+    (a fused linear is one weight of one format)."""
     prefix = family_of(arch).layer_prefix
     by_layer = []
     for index in range(arch.num_layers):
@@ -313,30 +315,31 @@ def _linear_type(gguf: GgufFile, arch: ModelArch, sources: tuple[str, ...], what
                 "needs one type"
             )
         by_layer.append(types.pop())
-    if len(set(by_layer)) > 1:
-        first = by_layer[0]
-        other = next(i for i, t in enumerate(by_layer) if t != first)
-        raise ValueError(
-            f"{gguf.path.name}: {what} is {first.name} in layer 0 but {by_layer[other].name} in "
-            f"layer {other}; one program serves every layer, so its type must not change"
-        )
-    return by_layer[0]
+    return by_layer
 
 
-def gguf_weight_formats(
-    path: str | Path, arch: ModelArch, dtype: torch.dtype
-) -> tuple[tuple[str, str], ...]:
-    """The `RuntimeConfig.weight_formats` serving `path`: "*" the format most linears are
-    stored in, then each linear stored otherwise, e.g.
-    (("*", "q4_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0")). Dense tensors are served in
-    the dense format of `dtype`; the head is the embedding's when the file has no `output`."""
+def gguf_weight_formats(path: str | Path, arch: ModelArch, dtype: torch.dtype) -> CheckpointFormats:
+    """The `RuntimeConfig.weight_formats` and `layer_groups` serving `path`. The layers whose
+    linears are stored alike form a group; group 0 is the most layers' (the earliest on a tie).
+    `weight_formats`: "*" the format most of group 0's linears and the embedding and head are
+    stored in, then each of them stored otherwise, e.g.
+    (("*", "q4_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0")); `layer_groups`: each
+    further group's layers and the linears it stores otherwise than group 0 (llama.cpp's
+    Q4_K_M keeps some layers' `attn_v` and `ffn_down` in more bits). Dense tensors are served
+    in the dense format of `dtype`; the head is the embedding's when the file has no `output`."""
     gguf = GgufFile(path)
     gguf.check_family(arch)
     family = family_of(arch)
-    formats: dict[str, str] = {}
+    by_linear: dict[str, list[str]] = {}
     for linear in family.layer_spec(arch, dense_format(dtype).name).linears():
-        ggml_type = _linear_type(gguf, arch, linear.sources, linear.name)
-        formats[linear.name] = type_format(ggml_type, dtype, f"{path}: {linear.name}")
+        types = _linear_types(gguf, arch, linear.sources, linear.name)
+        what = f"{path}: {linear.name}"
+        by_linear[linear.name] = [type_format(t, dtype, what) for t in types]
+    # each layer's (linear, format) pairs
+    layouts = [tuple((n, f[i]) for n, f in by_linear.items()) for i in range(arch.num_layers)]
+    counts = Counter(layouts)
+    base = max(counts, key=lambda layout: (counts[layout], -layouts.index(layout)))
+    formats = dict(base)
     head = family.head_source(arch, has_head=f"{family.lm_head}.weight" in gguf.tensors)
     for name, source in ((EMBEDDING, family.embedding), (LM_HEAD, head)):
         tensor = f"{source}.weight"
@@ -345,4 +348,12 @@ def gguf_weight_formats(
         formats[name] = type_format(gguf.tensors[tensor].type, dtype, f"{path}: {tensor}")
     default = Counter(formats.values()).most_common(1)[0][0]
     named = [(name, fmt) for name, fmt in formats.items() if fmt != default]
-    return tuple(sorted([(ALL_LINEARS, default), *named]))
+    others = sorted(set(layouts) - {base}, key=layouts.index)
+    groups = tuple(
+        (
+            tuple(i for i, layout in enumerate(layouts) if layout == other),
+            tuple(sorted(set(other) - set(base))),
+        )
+        for other in others
+    )
+    return CheckpointFormats(tuple(sorted([(ALL_LINEARS, default), *named])), groups)

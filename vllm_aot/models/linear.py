@@ -21,11 +21,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 
 # The names weight formats are chosen by for the vocabulary rows (besides a layer's linears).
 EMBEDDING, LM_HEAD = "embed_tokens", "lm_head"
+
+
+class CheckpointFormats(NamedTuple):
+    """The weight formats a checkpoint stores, as `RuntimeConfig`'s fields of the same names
+    hold them: `weight_formats` (linear name or "*", format) and `layer_groups` (the layers
+    stored otherwise: (layers, their (linear name, format) overrides) per further group)."""
+
+    weight_formats: tuple[tuple[str, str], ...] = ()
+    layer_groups: tuple[tuple[tuple[int, ...], tuple[tuple[str, str], ...]], ...] = ()
 
 
 class Shard(StrEnum):

@@ -135,22 +135,30 @@ def load_weights(
     dtype: torch.dtype,
     *,
     formats: FormatOf | None = None,
+    layer_formats: Callable[[int], FormatOf] | None = None,
     quantization: str | None = None,
     rank: Rank = SINGLE_RANK,
 ) -> ModelWeights:
     """Read every parameter through the family's layer spec from the checkpoint `quantization`
     reads (`checkpoints.open_checkpoint`: safetensors, or the directory's GGUF): fused (q|k|v,
     gate|up), sliced for `rank`, each linear (the embedding and head too) in its weight format
-    (`formats(name)`; default: the dense format of `dtype`), the rest cast to `dtype`.
+    (`formats(name)`; default: the dense format of `dtype`; layer i's `layer_formats(i)(name)`
+    where given: `RuntimeConfig.layer_formats`), the rest cast to `dtype`.
     `kv_scales` are the checkpoint's KV cache scales. Raises KeyError on a missing tensor,
     ValueError when the checkpoint does not store a linear in the format asked."""
     family = family_of(arch)
     dense = dense_format(dtype).name
     format_of = formats or (lambda name: dense)
     checkpoint = open_checkpoint(model_dir, quantization, arch)
-    spec = family.layer_spec(arch, dense).with_formats(format_of)
+    spec = family.layer_spec(arch, dense)
     layers = [
-        _load_layer(checkpoint, spec, family.layer_prefix.format(index=i), dtype, rank)
+        _load_layer(
+            checkpoint,
+            spec.with_formats(layer_formats(i) if layer_formats else format_of),
+            family.layer_prefix.format(index=i),
+            dtype,
+            rank,
+        )
         for i in range(arch.num_layers)
     ]
     embed = _load_vocab_rows(checkpoint, arch, family.embedding, format_of(EMBEDDING), rank)

@@ -239,7 +239,7 @@ def resolve_options(
     )
     if fields["quantization"] and not fields.get("weight_formats"):
         dtype = RuntimeConfig(dtype=fields["dtype"]).torch_dtype
-        fields["weight_formats"] = resolve_weight_formats(model, fields["quantization"], dtype)
+        fields.update(resolve_weight_formats(model, fields["quantization"], dtype)._asdict())
     return AotOptions(runtime=RuntimeConfig(**fields), **engine)
 
 

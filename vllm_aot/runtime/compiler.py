@@ -142,6 +142,7 @@ def _job_file(jobs: Sequence[tuple[ProgramKey, Path]], arch: ModelArch, config: 
                 "context": k.context_tokens,
                 "drafts": k.num_drafts,
                 "window": k.window,
+                "group": k.group,
                 "path": str(p),
             }
             for k, p in jobs
@@ -266,7 +267,12 @@ def main(job_file: str) -> None:
     config = RuntimeConfig.from_dict(payload["config"])
     for job in payload["jobs"]:
         key = ProgramKey(
-            ProgramKind(job["kind"]), job["size"], job["context"], job["drafts"], job["window"]
+            ProgramKind(job["kind"]),
+            job["size"],
+            job["context"],
+            job["drafts"],
+            job["window"],
+            job["group"],
         )
         try:
             secs = compile_program(key, arch, config, Path(job["path"]))

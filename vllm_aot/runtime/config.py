@@ -12,6 +12,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import dense_format, weight_format
 from vllm_aot.models.linear import Rank
 from vllm_aot.runtime.buckets import powers_of_two, validate_buckets
+from vllm_aot.runtime.layer_groups import layers_text, normal_groups, overrides_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS = ("inductor", "eager")
@@ -79,6 +80,11 @@ class RuntimeConfig:
     # `quantization` and the checkpoint (`models/checkpoints.py`); () for dense weights, and
     # for "gguf" until start-up reads the file's.
     weight_formats: tuple[tuple[str, str], ...] = keyed(())
+    # Layers whose linears differ from `weight_formats` (`runtime/layer_groups.py`): groups 1, 2,
+    # ... as (layers, (linear name, weight format) overrides); () for one group (every layer in
+    # `weight_formats`). Each group has its own layer programs, compiled from its configuration
+    # (`for_group`), whose `weight_formats` their cache keys hold: this field itself is in none.
+    layer_groups: tuple[tuple[tuple[int, ...], tuple[tuple[str, str], ...]], ...] = unkeyed(())
     kv_cache_dtype: str = keyed("auto")  # a KV_CACHE_DTYPES name (or alias)
     runner: str = unkeyed("generate")  # one of RUNNERS
     # one of CONVERTS (vLLM's --convert), a decoder under "pooling"
@@ -189,6 +195,15 @@ class RuntimeConfig:
         for _, name in formats:
             weight_format(name)  # ValueError naming the supported formats
         object.__setattr__(self, "weight_formats", tuple(sorted(formats)))
+        base = dict(formats)
+        default = base.get(ALL_LINEARS, dense_format(self.torch_dtype).name)
+        groups = normal_groups(self.layer_groups, lambda name: base.get(name, default))
+        if groups and (self.quantization is None or self.is_encoder_runner):
+            raise ValueError("layer_groups are for a decoder's quantised weights")
+        for _, overrides in groups:
+            for _, name in overrides:
+                weight_format(name)
+        object.__setattr__(self, "layer_groups", groups)
 
     @property
     def has_resolved_formats(self) -> bool:
@@ -201,18 +216,51 @@ class RuntimeConfig:
         return dict(self.weight_formats)
 
     def linear_format(self, name: str) -> str:
-        """The weight format of linear `name` (a layer's, `linear.EMBEDDING` or `LM_HEAD`)."""
+        """The weight format of linear `name` (`linear.EMBEDDING`, `LM_HEAD`, or a layer's in
+        layer group 0; `layer_formats` gives another layer's)."""
         formats = self._formats()
         return formats.get(name) or formats.get(ALL_LINEARS) or dense_format(self.torch_dtype).name
+
+    @property
+    def num_layer_groups(self) -> int:
+        return 1 + len(self.layer_groups)
+
+    def layer_group(self, layer: int) -> int:
+        """The group of layer index `layer` (0: every layer no group names)."""
+        return next((g for g, (ls, _) in enumerate(self.layer_groups, 1) if layer in ls), 0)
+
+    def for_group(self, group: int) -> RuntimeConfig:
+        """One layer group's configuration: its formats as `weight_formats`, no groups (what
+        its layer programs are compiled from and keyed by; group 0's serves the heads)."""
+        if not self.layer_groups:
+            return self
+        overrides = dict(self.layer_groups[group - 1][1]) if group else {}
+        formats = tuple({**self._formats(), **overrides}.items())
+        return dataclasses.replace(self, weight_formats=formats, layer_groups=())
+
+    def layer_formats(self, layer: int):
+        """Layer `layer`'s linear name -> weight format (`linear_format` of its group)."""
+        return self.for_group(self.layer_group(layer)).linear_format
 
     def formats_used(self) -> frozenset[str]:
         """Every weight format the programs' linears use (what their kernels are chosen for)."""
         formats = self._formats()
         dense = () if ALL_LINEARS in formats else (dense_format(self.torch_dtype).name,)
-        return frozenset([*formats.values(), *dense])
+        groups = [fmt for _, overrides in self.layer_groups for _, fmt in overrides]
+        return frozenset([*formats.values(), *dense, *groups])
 
-    def formats_summary(self) -> str:
-        """What `cache lookup`, the registry and logs show: "q4_1 (embed_tokens, lm_head: q8_0)"."""
+    def groups_summary(self, num_layers: int) -> str:
+        """The start-up log's line: "2 layer groups: layers 0-1,3 q4_0; layers 2,4 down_proj,
+        qkv_proj q8_0"."""
+        named = {i for layers, _ in self.layer_groups for i in layers}
+        rest = [i for i in range(num_layers) if i not in named]
+        parts = [f"layers {layers_text(rest)} {self.formats_summary(groups=False)}"]
+        parts += [f"layers {layers_text(ls)} {overrides_text(o)}" for ls, o in self.layer_groups]
+        return f"{self.num_layer_groups} layer groups: {'; '.join(parts)}"
+
+    def formats_summary(self, *, groups: bool = True) -> str:
+        """What `cache lookup`, the registry and logs show: "q4_1 (embed_tokens, lm_head: q8_0)",
+        then each further layer group's layers and overrides ("; layers 2,4: down_proj q8_0")."""
         formats = self._formats()
         if not formats:
             return dense_format(self.torch_dtype).name
@@ -221,7 +269,9 @@ class RuntimeConfig:
         for linear, fmt in formats.items():
             by_format.setdefault(fmt, []).append(linear)
         rest = "; ".join(f"{', '.join(names)}: {fmt}" for fmt, names in by_format.items())
-        return f"{base} ({rest})" if rest else base
+        text = f"{base} ({rest})" if rest else base
+        shown = self.layer_groups if groups else ()
+        return text + "".join(f"; layers {layers_text(ls)}: {overrides_text(o)}" for ls, o in shown)
 
     @property
     def is_encoder_runner(self) -> bool:
@@ -282,6 +332,7 @@ class RuntimeConfig:
             self,
             quantization=None,
             weight_formats=(),
+            layer_groups=(),
             num_speculative_tokens=0,
             verify_batch_buckets=(),
         )

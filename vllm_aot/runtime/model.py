@@ -3,9 +3,9 @@
 A step is all-prefill or all-decode, never mixed. The caller (a driver of `runtime/policy.py`:
 the generate loop, teacher forcing, vLLM's scheduler through the plugin) decides what runs;
 `prepare_prefill`/`prepare_decode` choose its layer program and pad to it; this class runs that
-program (`inputs.key`) once per layer, each call writing its layer's new K/V into the pools in
-place through the slot mapping (quantised with the layer's scales when the pool is fp8:
-`models.layers.write_kv`), and samples in the head program.
+program (`inputs.key`, its layer group's) once per layer, each call writing its layer's new K/V
+into the pools in place through the slot mapping (quantised with the layer's scales when the
+pool is fp8: `models.layers.write_kv`), and samples in the head program.
 
 A `Tap` (accuracy tooling) sees, and may replace, the tensors at program boundaries while
 `tapped()` holds it; without one the step pays a single `is None` test per layer.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -112,6 +113,7 @@ class CompiledModel:
             scales=weights.kv_scales,
         )
         self._layer_weights = [flatten_weights(w) for w in weights.layers]
+        self._layer_groups = [config.layer_group(i) for i in range(len(weights.layers))]
         # cos and sin of every position a step may hold (a verify row's padded drafts run up
         # to k past the last one), computed once: two lookups a step instead of seven ops.
         positions = torch.arange(config.max_model_len + config.num_speculative_tokens + 1)
@@ -159,13 +161,14 @@ class CompiledModel:
         num_real: int,
         given: GivenEmbeds | None = None,
     ) -> torch.Tensor:
-        """Embed (or take the `given` embeddings), run every layer through the one program for
-        this bucket; [tokens, hidden].
+        """Embed (or take the `given` embeddings), run every layer through its layer group's
+        program for this bucket (`key` of each group); [tokens, hidden].
         `step` is what every layer reads alike.
 
         The first `num_real` tokens are real, the rest padding (only taps need to know).
         """
-        program = self._program(key)
+        groups = range(self.config.num_layer_groups)
+        programs = [self._program(replace(key, group=g) if g else key) for g in groups]
         with self.spans("layers"):  # embedding and rotary included
             hidden = self.embed(token_ids)
             if given is not None:
@@ -188,7 +191,8 @@ class CompiledModel:
                     step=step,
                     weights=weights,
                 )
-                hidden, k_new, v_new = program(*args)  # its K/V written into `cache`
+                # its K/V written into `cache`
+                hidden, k_new, v_new = programs[self._layer_groups[layer]](*args)
                 if tap is not None:
                     hidden = self._tap_layer(
                         tap, layer, hidden, (k_new, v_new), step.slots, real_positions

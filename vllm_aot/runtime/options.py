@@ -120,6 +120,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_logprobs", "top-n logprobs every head program returns"),
     Option("num_sampling_candidates", "tokens top-k/top-p decide among"),
     Option("weight_formats", "each linear's weight format (resolved from quantization)"),
+    Option("layer_groups", "layers whose linears' formats differ (resolved from a GGUF)"),
     Option("verify_batch_buckets", "decode batches that verify drafts"),
     Option("cache_dir", "local compile cache (default: VLLM_AOT_COMPILE_CACHE or ~)"),
     Option("remote_cache", "shared store of compiled programs, file:// or s3:// "

@@ -9,6 +9,9 @@
   cache.
 - `verify_b{rows}_k{k}_c{ctx}`: one decoder layer over `rows` rows of `k + 1` tokens each (the
   newest and `k` drafted ones), each row reading `ctx` cached tokens (speculative decoding).
+- A model whose layers differ in weight formats (`runtime/layer_groups.py`) has each layer kind
+  once per layer group and bucket, the group after the name where it is not 0
+  (`decode_b8_c1024_g1`), compiled from the group's configuration (`program_config`).
 - `verify_greedy_r{rows}_k{k}` / `verify_sample_r{rows}_k{k}`: the head over those positions, with
   the acceptance step (`runtime/verify.py`).
 
@@ -82,6 +85,7 @@ class ProgramKey:
     context_tokens: int = 0  # cached tokens read (layers only)
     num_drafts: int = 0  # drafted tokens per row (verify programs only)
     window: int = 0  # tokens a sequence may span, attending within them (encode programs only)
+    group: int = 0  # the layer group whose layers it runs (layer programs only)
 
     @property
     def name(self) -> str:
@@ -90,7 +94,8 @@ class ProgramKey:
         drafts = f"_k{self.num_drafts}" if self.num_drafts else ""
         context = f"_c{self.context_tokens}" if self.is_layer else ""
         window = f"_w{self.window}" if self.window else ""
-        return f"{self.kind.value}_{letter}{self.size}{drafts}{context}{window}"
+        group = f"_g{self.group}" if self.group else ""
+        return f"{self.kind.value}_{letter}{self.size}{drafts}{context}{window}{group}"
 
     @property
     def is_layer(self) -> bool:
@@ -109,15 +114,18 @@ def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
             for t in config.prefill_token_buckets
             for w in config.encode_windows(t)
         ]
+    groups = range(config.num_layer_groups)
     keys = [
-        ProgramKey(ProgramKind.PREFILL, t, c)
+        ProgramKey(ProgramKind.PREFILL, t, c, group=g)
+        for g in groups
         for t in config.prefill_token_buckets
         for c in config.prefill_context_buckets
     ]
     if config.runner == "pooling":  # a converted decoder: prefill alone, pooled on the host
         return keys
     keys += [
-        ProgramKey(ProgramKind.DECODE, b, c)
+        ProgramKey(ProgramKind.DECODE, b, c, group=g)
+        for g in groups
         for b in config.decode_batch_buckets
         for c in config.decode_context_buckets
     ]
@@ -126,13 +134,21 @@ def all_program_keys(config: RuntimeConfig) -> list[ProgramKey]:
     k = config.num_speculative_tokens
     if k:
         keys += [
-            ProgramKey(ProgramKind.VERIFY, b, c, k)
+            ProgramKey(ProgramKind.VERIFY, b, c, k, group=g)
+            for g in groups
             for b in config.verify_batch_buckets
             for c in config.decode_context_buckets
         ]
         for kind in (ProgramKind.VERIFY_GREEDY, ProgramKind.VERIFY_SAMPLE):
             keys += [ProgramKey(kind, b, 0, k) for b in config.verify_batch_buckets]
     return keys
+
+
+def program_config(key: ProgramKey, config: RuntimeConfig) -> RuntimeConfig:
+    """The configuration program `key` is built from and keyed by: a layer program's group's
+    (`RuntimeConfig.for_group`: its formats, no groups), group 0's for the rest. A model of one
+    group is its own."""
+    return config.for_group(key.group if key.is_layer else 0)
 
 
 def layer_spec(arch: ModelArch, config: RuntimeConfig) -> LayerSpec:
@@ -278,6 +294,7 @@ class Head(nn.Module):
 
 def build_module(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> nn.Module:
     load_used(config.formats_used())  # programs call our ops by name
+    config = program_config(key, config)
     if key.kind is ProgramKind.ENCODE:
         return Encoder(arch, config)
     if key.is_layer:
@@ -297,7 +314,7 @@ def args_type(key: ProgramKey) -> type:
 def example_args(key: ProgramKey, arch: ModelArch, config: RuntimeConfig):
     """The program's record holding inputs of its exact shapes and dtypes (values are
     irrelevant)."""
-    return example(args_type(key), _sizes(key, arch, config))
+    return example(args_type(key), _sizes(key, arch, program_config(key, config)))
 
 
 def example_inputs(key: ProgramKey, arch: ModelArch, config: RuntimeConfig) -> tuple:
