@@ -51,5 +51,7 @@ TORCH_LIBRARY_IMPL(vllm_aot, CPU, m) { m.impl("linear_q5_1", &linear_q5_1); }
 
 TORCH_LIBRARY_IMPL(vllm_aot, Meta, m) {
   m.impl("linear_q5_1", [](const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&) { return linear_meta(x, qweight); });
+                           const at::Tensor&, const at::Tensor&) {
+    return linear_meta(x, qweight);
+  });
 }

@@ -34,7 +34,8 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 code8(const Weights& w, int64_t row, int64_
     if constexpr (kHighBit<F>) {  // bits 8i .. 8i + 7 of the block's fifth bits: 16 or 0
       const __m256i bits = _mm256_set1_epi32(high_row<F>(w, row, b)[i] << 4);
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      c = _mm256_or_si256(c, _mm256_and_si256(_mm256_srlv_epi32(bits, lane), _mm256_set1_epi32(16)));
+      const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(bits, lane), _mm256_set1_epi32(16));
+      c = _mm256_or_si256(c, fifth);
     }
     if constexpr (F::kOffset != 0) c = _mm256_sub_epi32(c, _mm256_set1_epi32(F::kOffset));
   } else {

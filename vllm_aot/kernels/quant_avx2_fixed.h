@@ -1,7 +1,7 @@
 // The block formats (q8_0, q4_0, q4_1, q5_0, q5_1) for bfloat16 activations on AVX2 (`quant.h`).
-// The float32 kernel (`quant_avx2.h`) spends most of its time widening codes to float32. Here the codes widen
-// only to 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit fixed
-// point, summed in int32 (see docs/benchmarks.md#avx2-fixed-point-tiles):
+// The float32 kernel (`quant_avx2.h`) spends most of its time widening codes to float32. Here the
+// codes widen only to 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit
+// fixed point, summed in int32 (see docs/benchmarks.md#avx2-fixed-point-tiles):
 //
 // - the activations are bfloat16 (8 significant bits) and become 16-bit fixed point per block of
 //   32: x = s * q with s = the block's largest |x| / 32767. Each x moves by at most s / 2 = 2^-16
@@ -10,10 +10,10 @@
 //   `tests/test_quant_kernels.py`). A call converts its rows once; every weight tile reads them.
 // - a block's codes are 32 int16 in two registers: inputs 0-15 and 16-31 (a nibble format's low
 //   and high nibbles of its 16 bytes, with q5's fifth bits, or q8_0's two halves), so the
-//   activations stay in their own order. Two `vpmaddwd` and an add give eight int32 partial sums, which times s * d (d the
-//   block's scale) add up in float32.
-// - q4_1's minimums and q4_0's offset, (m - kOffset * d) * s * sum(q) per block, join the same
-//   sums eight blocks at a time.
+//   activations stay in their own order. Two `vpmaddwd` and an add give eight int32 partial
+//   sums, which times s * d (d the block's scale) add up in float32.
+// - the minimums (q4_1, q5_1) and the offsets (q4_0's, q5_0's), (m - kOffset * d) * s * sum(q)
+//   per block, join the same sums eight blocks at a time.
 // - a tile of 4 weight rows widens its scales (and minimums) once per chunk of 64 blocks into
 //   float32 on the stack and multiplies them by each activation row's block scales there (d * s:
 //   one broadcast a block and row in the inner loop, no multiply), so the inner loop makes no

@@ -1,7 +1,7 @@
-// The block formats (q4_0, q4_1, q5_0, q5_1, q8_0) for bfloat16 activations on CPUs with AVX512-VNNI
-// (`quant.h`). Widening the codes to float32 costs more than the multiply (a block takes ~6
-// cycles on the float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64 of them
-// (unsigned) by 64 signed bytes a cycle, summed in int32:
+// The block formats (q4_0, q4_1, q5_0, q5_1, q8_0) for bfloat16 activations on CPUs with
+// AVX512-VNNI (`quant.h`). Widening the codes to float32 costs more than the multiply (a block
+// takes ~6 cycles on the float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64
+// of them (unsigned) by 64 signed bytes a cycle, summed in int32:
 //
 // - the activations are bfloat16 (8 significant bits) and become 15-bit fixed point per block of
 //   32: x = s * q with s = the block's largest |x| / 16383, q = 128 h + l (h signed, l in 0-127,
