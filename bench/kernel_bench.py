@@ -1,8 +1,8 @@
 """Our quantised-linear kernels on the bundled model's shapes, beside the bfloat16 linear and the
 machine's memory bandwidth.
 
-    .venv/bin/python bench/kernel_bench.py [--formats q4_1,q8_0,q4_0,int8] [--rows 1,8,32,256]
-                                           [--dtype bfloat16] [--repeats 7]
+    .venv/bin/python bench/kernel_bench.py [--formats q4_1,q8_0,q4_0,q5_0,q5_1,int8]
+                                           [--rows 1,8,32,256] [--dtype bfloat16] [--repeats 7]
 
 Every call reads weights from memory, not from a cache: each shape's stored weights are copied
 until the copies pass 4x the last-level cache and the calls rotate through them (a decode step
@@ -163,7 +163,7 @@ def step_table(args, bandwidth: float) -> Table:
     dtype = getattr(torch, args.dtype)
     bf16, _ = decode_step_seconds("bf16", "bf16", torch.bfloat16, args.repeats)
     for fmt in args.formats:
-        head_fmt = "q8_0" if fmt in ("q4_1", "q4_0", "q8_0") else fmt
+        head_fmt = "q8_0" if fmt in ("q4_1", "q4_0", "q8_0", "q5_0", "q5_1") else fmt
         seconds, nbytes = decode_step_seconds(fmt, head_fmt, dtype, args.repeats)
         table.add_row(
             fmt,
@@ -180,7 +180,9 @@ def step_table(args, bandwidth: float) -> Table:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", default="q4_1,q8_0,q4_0,int8", type=lambda s: s.split(","))
+    parser.add_argument(
+        "--formats", default="q4_1,q8_0,q4_0,q5_0,q5_1,int8", type=lambda s: s.split(",")
+    )
     parser.add_argument("--rows", default="1,8,32,256", type=lambda s: list(map(int, s.split(","))))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=7)

@@ -27,6 +27,8 @@ CASES = [
     ("llama", GgmlType.Q4_0),
     ("llama", GgmlType.Q4_1),
     ("llama", GgmlType.Q8_0),
+    ("llama", GgmlType.Q5_0),
+    ("llama", GgmlType.Q5_1),
     ("llama", GgmlType.F32),
     ("qwen2", GgmlType.Q8_0),  # q/k/v biases, an untied head
     ("qwen3", GgmlType.Q4_1),  # q/k norms
@@ -107,6 +109,8 @@ def test_the_header_reads_as_ggufreader_reads_it(gguf_dirs, default_model_dir):
     [
         ("llama", GgmlType.Q4_1, BUNDLED_FORMATS),
         ("llama", GgmlType.Q4_0, (("*", "q4_0"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))),
+        ("llama", GgmlType.Q5_0, (("*", "q5_0"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))),
+        ("llama", GgmlType.Q5_1, (("*", "q5_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))),
         ("llama", GgmlType.F32, (("*", "fp32"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))),
         ("qwen2", GgmlType.Q8_0, (("*", "q8_0"),)),
         ("qwen3", GgmlType.Q4_1, BUNDLED_FORMATS),
@@ -194,8 +198,8 @@ def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     ("types", "message"),
     [
         (
-            {f"model.layers.{i}.mlp.down_proj.weight": GgmlType.Q5_0 for i in range(2)},
-            "down_proj is Q5_0; supported types: Q8_0, Q4_0, Q4_1, F32, F16, BF16",
+            {f"model.layers.{i}.mlp.down_proj.weight": GgmlType.MXFP4 for i in range(2)},
+            "down_proj is MXFP4; supported types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F32, F16, BF16",
         ),
         (
             {"model.layers.0.self_attn.k_proj.weight": GgmlType.Q8_0},
@@ -258,7 +262,7 @@ def test_a_gguf_of_another_family_than_the_config_is_refused(gguf_dirs, tmp_path
         resolve_weight_formats(model_dir, "gguf", torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("shard", list(Shard))
 def test_stored_planes_shard_like_the_float_weight(fmt, shard):
     """Each rank's planes equal its float slice quantised: blocks never straddle ranks."""

@@ -48,11 +48,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 # The formats whose bfloat16 activations become fixed point, per instruction set (`Format` in
 # `kernels/quant.h`: multiply_bf16).
 # With AMX, only fewer than MIN_AMX_ROWS rows (the VNNI kernel's) are fixed point.
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 FIXED_POINT = {
-    "avx2": ("q8_0", "q4_0", "q4_1"),
+    "avx2": BLOCK_FORMATS,
     "avx512": (),
-    "avx512_vnni": ("q8_0", "q4_0", "q4_1"),
-    "amx": ("q8_0", "q4_0", "q4_1"),
+    "avx512_vnni": BLOCK_FORMATS,
+    "amx": BLOCK_FORMATS,
 }
 
 
@@ -60,8 +61,10 @@ def op(fmt: str):
     return getattr(torch.ops.vllm_aot, f"linear_{fmt}")
 
 
-def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype) -> None:
-    """Every row count of ROWS for one format, shape and activation dtype."""
+def check_case(
+    fmt: str, out_features: int, in_features: int, dtype: torch.dtype, row_counts=ROWS
+) -> None:
+    """Every row count of `row_counts` for one format, shape and activation dtype."""
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(out_features, in_features, generator=g))
     weight = WEIGHT_FORMATS[fmt].dequantize(*stored)
@@ -70,7 +73,7 @@ def check_case(fmt: str, out_features: int, in_features: int, dtype: torch.dtype
     direct_rows = MAX_DIRECT_ROWS_AVX2_FIXED if fixed_point and isa == "avx2" else MAX_DIRECT_ROWS
     bf16_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
     amx_rows = MAX_AMX_ROWS if isa == "amx" and dtype == torch.bfloat16 else 0
-    for rows in ROWS:
+    for rows in row_counts:
         # Inputs of different sizes, so blocks have different scales.
         spread = torch.rand(in_features, generator=g)
         x = (torch.randn(rows, in_features, generator=g) * spread).to(dtype)
@@ -112,6 +115,15 @@ def loaded():
 def test_kernel_matches_the_reference_on_every_row_path(fmt, dtype):
     for out_features, in_features in SHAPES:
         check_case(fmt, out_features, in_features, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_5_bit_codes_on_both_sides_of_each_path_limit(fmt, dtype):
+    """Row counts on both sides of kMaxDirectRows (8, 9) and kMaxDirectRowsAvx2Fixed (33, 40),
+    odd output rows (tile tails); every fifth bit set and clear in some block."""
+    for out_features, in_features in ((5, 64), (31, 320)):
+        check_case(fmt, out_features, in_features, dtype, (1, 2, 5, 8, 9, 33, 40))
 
 
 def _isa_levels() -> list[str]:
@@ -180,6 +192,9 @@ def test_wrong_planes_are_refused_naming_the_layout():
         op("q4_1")(torch.randn(1, 64), qweight, scale.float(), minimum)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 activations"):
         op("q4_1")(torch.randn(1, 64).half(), qweight, scale, minimum)
+    qweight, qh, scale = WEIGHT_FORMATS["q5_0"].prepare(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match=r"linear_q5_0 qh: expected Byte \[8, 8\]"):
+        op("q5_0")(torch.randn(1, 64), qweight, qh[:, :4], scale)
 
 
 def test_the_chosen_path_follows_the_cpu():

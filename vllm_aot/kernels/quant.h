@@ -1,14 +1,13 @@
-// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp) share: the stored weight
-// as one view, the instruction set chosen at run time, and the op's driver, which picks a path by
-// the number of activation rows m. The activations are never rounded to int8: the weights are
-// dequantised (w = code * d + m per block of 32) and multiplied by the activations, float32 or
-// bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to
-// float32 rounding, as the pure-torch reference does. (llama.cpp quantises the activations to
-// int8 blocks for integer dot products, at a cost in accuracy: see
-// docs/benchmarks.md#int8-activations. The weights' bytes, which bound a decode step, are the
-// same.) bfloat16 activations, 8 significant bits, may become 15- or
-// 16-bit fixed point per block for integer products: that moves each by at most 2^-15 of its
-// block's largest, 64x below the bfloat16 rounding it already carries.
+// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1/q5_0/q5_1.cpp) share: the stored
+// weight as one view, the instruction set chosen at run time, and the op's driver, which picks a
+// path by the number of activation rows m. The activations are never rounded to int8: the weights
+// are dequantised (w = code * d + m per block of 32) and multiplied by the activations, float32 or
+// bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to float32
+// rounding, as the pure-torch reference does. (llama.cpp quantises the activations to int8 blocks
+// for integer dot products, at a cost in accuracy: see docs/benchmarks.md#int8-activations. The
+// weights' bytes, which bound a decode step, are the same.) bfloat16 activations, 8 significant
+// bits, may become 15- or 16-bit fixed point per block for integer products: that moves each by at
+// most 2^-15 of its block's largest, 64x below the bfloat16 rounding it already carries.
 //
 // - m <= kMaxDirectRows (decode at small batch; kMaxDirectRowsAvx2Fixed on that path): weight-row tiles in parallel, each block of 32
 //   weights widened from its codes in registers and used by a register block of activation rows
@@ -27,11 +26,12 @@
 //   or bfloat16 where the CPU multiplies bfloat16 natively) and multiplied by aten's GEMM
 //   (`quant.cpp`).
 //
-// A format states its layout as traits, which every path reads: kNibbles (two codes a byte:
-// input j low, j + 16 high, per block of 16 bytes; else one signed byte each), kOffset
-// (subtracted from the codes: q4_0's 8), kBlockScale (an fp16 scale per block), kHasMin (an
-// fp16 minimum per block, added), kRowScale (a float32 scale per row, int8; its rows may end in
-// a part block).
+// A format states its layout as traits, which every path reads: kNibbles (two codes a byte: input j
+// low, j + 16 high, per block of 16 bytes; else one signed byte each), kOffset (subtracted from the
+// codes: q4_0's 8, q5_0's 16), kBlockScale (an fp16 scale per block), kHasMin (an fp16 minimum per
+// block, added), kRowScale (a float32 scale per row, int8; its rows may end in a part block),
+// kHighBit (a nibble format's fifth bits, 4 bytes per block: bit j of their little-endian uint32 is
+// 16 in input j's code; q5_0, q5_1; false where a format leaves it out).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -89,7 +90,29 @@ struct Weights {
   const c10::Half* min;     // per block, likewise (q4_1)
   const float* row_scale;   // per row (int8)
   int64_t q_stride, blocks, n, k;
+  const uint8_t* qh = nullptr;  // per block 4 bytes of fifth bits, row r's at qh + r * blocks * 4
 };
+
+// The kHighBit trait, false for a format that does not state it.
+template <class F, class = void>
+struct HighBitOf : std::false_type {};
+template <class F>
+struct HighBitOf<F, std::void_t<decltype(F::kHighBit)>> : std::bool_constant<F::kHighBit> {};
+template <class F>
+constexpr bool kHighBit = HighBitOf<F>::value;
+
+// Row `row`'s fifth bits from its block b on (kHighBit; null for the other formats).
+template <class F>
+VLLM_AOT_INLINE const uint8_t* high_row(const Weights& w, int64_t row, int64_t b = 0) {
+  return kHighBit<F> ? w.qh + (row * w.blocks + b) * 4 : nullptr;
+}
+
+// Block b's fifth bits from a row's (`high_row`): bit j for input j.
+VLLM_AOT_INLINE uint32_t high_bits(const uint8_t* row, int64_t b) {
+  uint32_t bits;
+  std::memcpy(&bits, row + 4 * b, 4);
+  return bits;
+}
 
 // x [m, k] (float32, contiguous) times every weight row into out [m, n] (float32 or bfloat16),
 // in parallel over weight-row tiles.
@@ -131,10 +154,10 @@ at::Tensor plane(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_
 
 // Batch-1 decode streams each weight once, and a thread's tiles take its rows front to back:
 // rows too short for the hardware prefetcher to follow. So a tile asks for the rows
-// kPrefetchRows further on while it works: their block scales and minimums as it starts
-// (`prefetch_planes`), their codes a line at a time as it reads the same line of its own rows
-// (`prefetch_line`), spread over the tile (see docs/benchmarks.md#prefetch). A prefetch past
-// the weight's end never faults.
+// kPrefetchRows further on while it works: their per-block planes (scales, minimums, fifth
+// bits) as it starts (`prefetch_planes`), their codes a line at a time as it reads the same line
+// of its own rows (`prefetch_line`), spread over the tile (see docs/benchmarks.md#prefetch). A
+// prefetch past the weight's end never faults.
 constexpr int64_t kPrefetchRows = 16;
 
 // Where a prefetched line is asked into. The AVX-512 kernels ask for L2 (`kToL2`): from DRAM (a
@@ -156,6 +179,9 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_planes(const Weights& w, int64_t row
       for (int64_t line = 0; line < R * w.blocks * 2; line += 64)
         prefetch_line<kHint>(
             reinterpret_cast<const char*>(plane + (row0 + kPrefetchRows) * w.blocks) + line);
+  if (w.qh != nullptr)
+    for (int64_t line = 0; line < R * w.blocks * 4; line += 64)
+      prefetch_line<kHint>(w.qh + (row0 + kPrefetchRows) * w.blocks * 4 + line);
 }
 
 // The float32 kernels' whole tile ahead at once: its codes, then `prefetch_planes`.

@@ -79,8 +79,8 @@ VLLM_AOT_AMX inline const uint32_t* pack(const c10::BFloat16* x, int64_t m, int6
   return packed.data();
 }
 
-// An item's weight rows' block scales d and minimums m as float32, rows of `stride` (q4_0's
-// offset folded into m: w = code * d - 8 d). Rows past the weight's last repeat it.
+// An item's weight rows' block scales d and minimums m as float32, rows of `stride` (the codes'
+// offset folded into m: q4_0's w = code * d - 8 d). Rows past the weight's last repeat it.
 template <class F>
 VLLM_AOT_AMX void item_affine(const Weights& w, int64_t n0, int rows, float* d, float* mn,
                               int64_t stride) {
@@ -97,10 +97,10 @@ VLLM_AOT_AMX void item_affine(const Weights& w, int64_t n0, int rows, float* d, 
   }
 }
 
-// A block of 32 weights (codes at p), code * d + m in float32, as bfloat16 hi (cut) and lo (the
-// rest, rounded) into 64 bytes each.
+// A block of 32 weights (codes at p, fifth bits `bits` for kHighBit), code * d + m in float32,
+// as bfloat16 hi (cut) and lo (the rest, rounded) into 64 bytes each.
 template <class F>
-VLLM_AOT_AMX VLLM_AOT_INLINE void block_bf16(const uint8_t* p, __m512 d, __m512 m,
+VLLM_AOT_AMX VLLM_AOT_INLINE void block_bf16(const uint8_t* p, uint32_t bits, __m512 d, __m512 m,
                                              c10::BFloat16* hi, c10::BFloat16* lo) {
   __m512i a, b;
   if constexpr (F::kNibbles) {  // input j in the low nibble of byte j, j + 16 in the high one
@@ -108,6 +108,11 @@ VLLM_AOT_AMX VLLM_AOT_INLINE void block_bf16(const uint8_t* p, __m512 d, __m512 
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     a = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
     b = _mm512_srli_epi32(bytes, 4);
+    if constexpr (kHighBit<F>) {  // 16 where fifth bit j is set, j = the input
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      a = _mm512_mask_or_epi32(a, static_cast<__mmask16>(bits), a, sixteen);
+      b = _mm512_mask_or_epi32(b, static_cast<__mmask16>(bits >> 16), b, sixteen);
+    }
   } else {
     const auto* bytes = reinterpret_cast<const __m128i*>(p);
     a = _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes));
@@ -180,8 +185,12 @@ VLLM_AOT_AMX void item(const Weights& w, int64_t n0, const uint32_t* b, int64_t 
   scales.resize(2 * kRows * stride);
   float *d = scales.data(), *mn = d + kRows * stride;
   item_affine<F>(w, n0, kRows, d, mn, stride);
-  const uint8_t* codes[kRows];
-  for (int r = 0; r < kRows; ++r) codes[r] = w.q + std::min<int64_t>(n0 + r, w.n - 1) * w.q_stride;
+  const uint8_t *codes[kRows], *highs[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = std::min<int64_t>(n0 + r, w.n - 1);
+    codes[r] = w.q + row * w.q_stride;
+    highs[r] = high_row<F>(w, row);
+  }
   alignas(64) c10::BFloat16 buffers[2][2][kRows * kBlock];  // [stage][hi, lo]
   _tile_zero(0);
   _tile_zero(1);
@@ -197,7 +206,8 @@ VLLM_AOT_AMX void item(const Weights& w, int64_t n0, const uint32_t* b, int64_t 
     for (int64_t l = s * lines_per_step; l < (s + 1) * lines_per_step && 64 * l < ahead_bytes; ++l)
       _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
     for (int r = 0; r < kRows; ++r)
-      block_bf16<F>(codes[r] + s * kBlockBytes, _mm512_set1_ps(d[r * stride + s]),
+      block_bf16<F>(codes[r] + s * kBlockBytes, kHighBit<F> ? high_bits(highs[r], s) : 0u,
+                    _mm512_set1_ps(d[r * stride + s]),
                     _mm512_set1_ps(mn[r * stride + s]), buffers[s & 1][0] + r * kBlock,
                     buffers[s & 1][1] + r * kBlock);
   };

@@ -22,7 +22,8 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m25
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Inputs 8i .. 8i + 7 of block b of a row as float32 codes (code - kOffset for q4_0).
+// Inputs 8i .. 8i + 7 of block b of a row as float32 codes (fifth bits joined, code - kOffset for
+// q4_0 and q5_0).
 template <class F>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 code8(const Weights& w, int64_t row, int64_t b, int i) {
   __m256i c;
@@ -30,6 +31,12 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256 code8(const Weights& w, int64_t row, int64_
     const uint8_t* p = w.q + row * w.q_stride + 16 * b + 8 * (i % 2);
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     c = i < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
+    if constexpr (kHighBit<F>) {  // bits 8i .. 8i + 7 of the block's fifth bits: 16 or 0
+      const __m256i bits = _mm256_set1_epi32(high_row<F>(w, row, b)[i] << 4);
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(bits, lane), _mm256_set1_epi32(16));
+      c = _mm256_or_si256(c, fifth);
+    }
     if constexpr (F::kOffset != 0) c = _mm256_sub_epi32(c, _mm256_set1_epi32(F::kOffset));
   } else {
     const uint8_t* p = w.q + row * w.q_stride + 32 * b + 8 * i;

@@ -1,7 +1,7 @@
-// The block formats (q8_0, q4_0, q4_1) for bfloat16 activations on AVX2 (`quant.h`). The float32
-// kernel (`quant_avx2.h`) spends most of its time widening codes to float32. Here the codes widen
-// only to 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit fixed
-// point, summed in int32 (see docs/benchmarks.md#avx2-fixed-point-tiles):
+// The block formats (q8_0, q4_0, q4_1, q5_0, q5_1) for bfloat16 activations on AVX2 (`quant.h`).
+// The float32 kernel (`quant_avx2.h`) spends most of its time widening codes to float32. Here the
+// codes widen only to 16-bit integers and `vpmaddwd` multiplies them by the activations as 16-bit
+// fixed point, summed in int32 (see docs/benchmarks.md#avx2-fixed-point-tiles):
 //
 // - the activations are bfloat16 (8 significant bits) and become 16-bit fixed point per block of
 //   32: x = s * q with s = the block's largest |x| / 32767. Each x moves by at most s / 2 = 2^-16
@@ -9,11 +9,11 @@
 //   sums are the bfloat16 program's to float32-like precision (the tests' bound:
 //   `tests/test_quant_kernels.py`). A call converts its rows once; every weight tile reads them.
 // - a block's codes are 32 int16 in two registers: inputs 0-15 and 16-31 (a nibble format's low
-//   and high nibbles of its 16 bytes, or q8_0's two halves), so the activations stay in their
-//   own order. Two `vpmaddwd` and an add give eight int32 partial sums, which times s * d (d the
-//   block's scale) add up in float32.
-// - q4_1's minimums and q4_0's offset, (m - kOffset * d) * s * sum(q) per block, join the same
-//   sums eight blocks at a time.
+//   and high nibbles of its 16 bytes, with q5's fifth bits, or q8_0's two halves), so the
+//   activations stay in their own order. Two `vpmaddwd` and an add give eight int32 partial
+//   sums, which times s * d (d the block's scale) add up in float32.
+// - the minimums (q4_1, q5_1) and the offsets (q4_0's, q5_0's), (m - kOffset * d) * s * sum(q)
+//   per block, join the same sums eight blocks at a time.
 // - a tile of 4 weight rows widens its scales (and minimums) once per chunk of 64 blocks into
 //   float32 on the stack and multiplies them by each activation row's block scales there (d * s:
 //   one broadcast a block and row in the inner loop, no multiply), so the inner loop makes no
@@ -109,16 +109,29 @@ VLLM_AOT_AVX2 inline Fixed to_fixed(const c10::BFloat16* x, int64_t m, int64_t k
   return {qs.data(), scales.data(), sums.data(), blocks, stride};
 }
 
+// Sixteen fifth bits (bit j for int16 lane j) as 16 or 0.
+VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i fifth_bits(uint32_t bits) {
+  const __m256i lane = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                         8192, 16384, -32768);
+  const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), lane);
+  return _mm256_and_si256(_mm256_cmpeq_epi16(set, lane), _mm256_set1_epi16(16));
+}
+
 // Block b's codes of a row as int16: inputs 0-15 in lo, 16-31 in hi (code - kOffset is left to
-// the offset terms).
+// the offset terms), the fifth bits (kHighBit) joined from the row's `high` (`high_row`).
 template <class F>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void codes16(const uint8_t* row, int64_t b, __m256i& lo,
-                                           __m256i& hi) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void codes16(const uint8_t* row, const uint8_t* high, int64_t b,
+                                           __m256i& lo, __m256i& hi) {
   if constexpr (F::kNibbles) {
     const __m256i v =
         _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
     lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
     hi = _mm256_srli_epi16(v, 4);
+    if constexpr (kHighBit<F>) {
+      const uint32_t bits = high_bits(high, b);
+      lo = _mm256_or_si256(lo, fifth_bits(bits & 0xFFFF));
+      hi = _mm256_or_si256(hi, fifth_bits(bits >> 16));
+    }
   } else {
     const auto* p = reinterpret_cast<const __m128i*>(row + 32 * b);
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
@@ -214,6 +227,8 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
       }
     }
     const uint8_t* codes = w.q + row0 * w.q_stride + c0 * kBlockBytes;
+    const uint8_t* highs[R];
+    for (int r = 0; r < R; ++r) highs[r] = high_row<F>(w, row0 + r, c0);
     const int16_t* xq = x.q + c0 * kBlock;
     const auto block = [&](int64_t i) __attribute__((always_inline, target("avx2,fma,f16c"))) {
       __m256i xs[B][2];  // the block's activations, in registers for every weight row
@@ -232,7 +247,7 @@ VLLM_AOT_AVX2 void tile_rows(const Weights& w, int64_t row0, const Fixed& x, Out
           lo = _mm256_loadu_si256(p);
           hi = _mm256_loadu_si256(p + 1);
         } else {
-          codes16<F>(codes + r * w.q_stride, i, lo, hi);
+          codes16<F>(codes + r * w.q_stride, highs[r], i, lo, hi);
         }
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) {
@@ -290,7 +305,8 @@ VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const Fixed& x, int64_t 
   for (int r = 0; r < R; ++r)
     for (int64_t blk = 0; blk < x.blocks; ++blk) {
       __m256i lo, hi;
-      codes16<F>(w.q + (row0 + r) * w.q_stride, blk, lo, hi);
+      codes16<F>(w.q + (row0 + r) * w.q_stride, high_row<F>(w, row0 + r), blk, lo,
+                 hi);
       auto* p = reinterpret_cast<__m256i*>(widened.data() + (r * x.blocks + blk) * kBlock);
       _mm256_storeu_si256(p, lo);
       _mm256_storeu_si256(p + 1, hi);
@@ -304,7 +320,7 @@ VLLM_AOT_AVX2 void rows(const Weights& w, int64_t row0, const Fixed& x, int64_t 
 // `MultiplyBf16Fn` for a block format F: up to kMaxDirectRowsAvx2Fixed activation rows.
 template <class F>
 void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& out) {
-  static_assert(F::kBlockScale, "the block formats (q8_0, q4_0, q4_1)");
+  static_assert(F::kBlockScale, "the block formats (q8_0, q4_0, q4_1, q5_0, q5_1)");
   const Fixed fixed = to_fixed(x, m, w.k);
   parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
     rows<F, decltype(tile)::value>(w, row0, fixed, m, o);

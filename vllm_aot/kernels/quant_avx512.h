@@ -1,6 +1,6 @@
 // The quantised linears on AVX-512 (float32 arithmetic, `quant.h`): tiles of four weight rows in
 // parallel, up to four activation rows a register block (32 registers). Each block of 32 weights
-// is widened from its codes (`block_codes`: the format's traits kNibbles, kOffset) and
+// is widened from its codes (`block_codes`: the format's traits kNibbles, kHighBit, kOffset) and
 // t = codes . x is scaled by the block's scale (kBlockScale) into the accumulators; q4_1's
 // minimums (kHasMin) are one dot with the activations' block sums; int8's row scale (kRowScale)
 // multiplies the row's sum. The codes stream from memory once, front to back (the rows ahead
@@ -39,7 +39,8 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE __m128 lane_sums(const __m512 (&acc)[R]) {
   return reduce4(acc[0], R > 1 ? acc[1] : zero, R > 2 ? acc[2] : zero, R > 3 ? acc[3] : zero);
 }
 
-// Block b of a row as float32 codes: inputs 0-15 in lo, 16-31 in hi (code - kOffset for q4_0).
+// Block b of a row as float32 codes: inputs 0-15 in lo, 16-31 in hi (fifth bits joined, code -
+// kOffset for q4_0 and q5_0).
 template <class F>
 VLLM_AOT_AVX512 VLLM_AOT_INLINE void block_codes(const Weights& w, int64_t row, int64_t b,
                                                  __m512& lo, __m512& hi) {
@@ -49,6 +50,12 @@ VLLM_AOT_AVX512 VLLM_AOT_INLINE void block_codes(const Weights& w, int64_t row, 
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     a = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
     c = _mm512_srli_epi32(bytes, 4);
+    if constexpr (kHighBit<F>) {  // 16 where the block's fifth bit j is set, j = the input
+      const uint32_t bits = high_bits(high_row<F>(w, row), b);
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      a = _mm512_mask_or_epi32(a, static_cast<__mmask16>(bits), a, sixteen);
+      c = _mm512_mask_or_epi32(c, static_cast<__mmask16>(bits >> 16), c, sixteen);
+    }
     if constexpr (F::kOffset != 0) {
       a = _mm512_sub_epi32(a, _mm512_set1_epi32(F::kOffset));
       c = _mm512_sub_epi32(c, _mm512_set1_epi32(F::kOffset));

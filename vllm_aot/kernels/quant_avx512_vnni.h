@@ -1,7 +1,7 @@
-// The block formats (q4_0, q4_1, q8_0) for bfloat16 activations on CPUs with AVX512-VNNI
-// (`quant.h`). Widening the codes to float32 costs more than the multiply (a block takes ~6
-// cycles on the float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64 of them
-// (unsigned) by 64 signed bytes a cycle, summed in int32:
+// The block formats (q4_0, q4_1, q5_0, q5_1, q8_0) for bfloat16 activations on CPUs with
+// AVX512-VNNI (`quant.h`). Widening the codes to float32 costs more than the multiply (a block
+// takes ~6 cycles on the float32 path), so here the codes stay bytes and `vpdpbusd` multiplies 64
+// of them (unsigned) by 64 signed bytes a cycle, summed in int32:
 //
 // - the activations are bfloat16 (8 significant bits) and become 15-bit fixed point per block of
 //   32: x = s * q with s = the block's largest |x| / 16383, q = 128 h + l (h signed, l in 0-127,
@@ -10,13 +10,15 @@
 //   float32-like precision (the tests' bound: `tests/test_quant_kernels.py`).
 // - the codes of a group of 4 blocks become two registers, one block per 128-bit lane, inputs
 //   0-15 in one and 16-31 in the other (`group_codes`): of the nibble formats 64 bytes as stored
-//   (GGUF's layout), low nibbles and high; of q8_0 two loads of 2 blocks, their lanes
-//   interleaved, the signed codes made unsigned (c + 128, `kCodeOffset`). The activations are
-//   rearranged once a call to match (h and l of inputs 0-15, then 16-31, of 4 blocks a group), so
-//   four `vpdpbusd` consume the 4 blocks, each lane of the sums holding one block's, and
-//   (128 * sum_h + sum_l) times s * d (d the block's scale, spread over its lanes) adds them up.
-// - q4_1's minimums and the codes' offset (q4_0's 8, q8_0's 128) are a dot per row over blocks of
-//   (m - offset * d) * s * sum(q), added into the sums' lanes before they are reduced.
+//   (GGUF's layout), low nibbles and high (q5's fifth bits added as 16 under a byte mask); of
+//   q8_0 two loads of 2 blocks, their lanes interleaved, the signed codes made unsigned (c + 128,
+//   `kCodeOffset`). The activations are rearranged once a call to match (h and l of inputs 0-15,
+//   then 16-31, of 4 blocks a group), so four `vpdpbusd` consume the 4 blocks, each lane of the
+//   sums holding one block's, and (128 * sum_h + sum_l) times s * d (d the block's scale, spread
+//   over its lanes) adds them up.
+// - the minimums (q4_1, q5_1) and the codes' offset (q4_0's 8, q5_0's 16, q8_0's 128) are a dot
+//   per row over blocks of (m - offset * d) * s * sum(q), added into the sums' lanes before they
+//   are reduced.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -134,8 +136,9 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE __m512 row_shifts(const Weights& w, int64_t
 // group, loaded under a mask; kWhole groups load whole) as unsigned bytes: inputs 0-15 of each of
 // its blocks in `lo`, 16-31 in `hi`, a block a lane.
 template <class F, bool kWhole>
-VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_t g, int64_t left,
-                                                      __m512i& lo, __m512i& hi) {
+VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, const uint8_t* high,
+                                                      int64_t g, int64_t left, __m512i& lo,
+                                                      __m512i& hi) {
   const auto load = [](const uint8_t* p, int64_t bytes) VLLM_AOT_AVX512_VNNI {
     if constexpr (kWhole) return _mm512_loadu_si512(p);
     const __mmask64 mask =
@@ -147,6 +150,17 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_
     const __m512i v = load(row + 64 * g, 16 * left);
     lo = _mm512_and_si512(v, low);
     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (kHighBit<F>) {  // block t's fifth bits 0-15 to lane t of lo, 16-31 of hi
+      __mmask64 lo_mask = 0, hi_mask = 0;
+      for (int64_t t = 0; t < std::min<int64_t>(left, 4); ++t) {
+        const uint64_t bits = high_bits(high, 4 * g + t);
+        lo_mask |= (bits & 0xFFFF) << (16 * t);
+        hi_mask |= (bits >> 16) << (16 * t);
+      }
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      lo = _mm512_mask_add_epi8(lo, lo_mask, lo, sixteen);
+      hi = _mm512_mask_add_epi8(hi, hi_mask, hi, sixteen);
+    }
   } else {  // blocks 0, 1 in a, 2, 3 in b: [0 lo, 0 hi, 1 lo, 1 hi] -> [0 lo, 1 lo, 2 lo, 3 lo]
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const uint8_t* p = row + 128 * g;
@@ -164,6 +178,7 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_codes(const uint8_t* row, int64_
 // 128 h + l with no add (see docs/benchmarks.md#vnni-tiles).
 template <class F, int B, int R, bool kWhole>
 VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows)[R],
+                                                     const uint8_t* const (&highs)[R],
                                                      int64_t ahead, int64_t g, int64_t left,
                                                      const __m512 (&d)[R], const Arranged& x,
                                                      __m512 (&acc)[B][R]) {
@@ -172,7 +187,7 @@ VLLM_AOT_AVX512_VNNI VLLM_AOT_INLINE void group_step(const uint8_t* const (&rows
   for (int r = 0; r < R; ++r) {
     for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
       prefetch_line<kToL2>(rows[r] + ahead + kGroupBytes<F> * g + line);
-    group_codes<F, kWhole>(rows[r], g, left, lo[r], hi[r]);
+    group_codes<F, kWhole>(rows[r], highs[r], g, left, lo[r], hi[r]);
   }
 #pragma GCC unroll 4
   for (int b = 0; b < B; ++b) {
@@ -201,8 +216,11 @@ VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arrang
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   prefetch_planes<R, kToL2>(w, row0);
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = w.q + (row0 + r) * w.q_stride;
+  const uint8_t *rows[R], *highs[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = w.q + (row0 + r) * w.q_stride;
+    highs[r] = high_row<F>(w, row0 + r);
+  }
   const int64_t ahead = kPrefetchRows * w.q_stride, whole = w.blocks / 4;
   for (int64_t c = 0; c < x.groups; c += 4) {  // 16 blocks: one vector of scales a row
     __m512 scales[R];
@@ -212,9 +230,9 @@ VLLM_AOT_AVX512_VNNI void tile_rows(const Weights& w, int64_t row0, const Arrang
       __m512 d[R];
       for (int r = 0; r < R; ++r) d[r] = group_scales(scales[r], static_cast<int>(g - c));
       if (g < whole) {
-        group_step<F, B, R, true>(rows, ahead, g, 4, d, x, acc);
+        group_step<F, B, R, true>(rows, highs, ahead, g, 4, d, x, acc);
       } else {
-        group_step<F, B, R, false>(rows, ahead, g, w.blocks - 4 * g, d, x, acc);
+        group_step<F, B, R, false>(rows, highs, ahead, g, w.blocks - 4 * g, d, x, acc);
       }
     }
   }
@@ -246,7 +264,7 @@ VLLM_AOT_AVX512_VNNI void rows(const Weights& w, int64_t row0, const Arranged& x
 // `MultiplyBf16Fn` for a block format F: up to kMaxDirectRows activation rows.
 template <class F>
 void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& out) {
-  static_assert(F::kBlockScale, "the block formats (q4_0, q4_1, q8_0)");
+  static_assert(F::kBlockScale, "the block formats (q4_0, q4_1, q5_0, q5_1, q8_0)");
   const Arranged arranged = arrange(x, m, w.k);
   parallel_tiles<kTileRows>(w.n, out, [&](auto tile, int64_t row0, auto* o) {
     rows<F, decltype(tile)::value>(w, row0, arranged, m, o);

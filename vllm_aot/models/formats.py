@@ -15,6 +15,9 @@ are fused, permuted and sharded plane by plane; GGUF blocks hold 32 consecutive 
   block's 16 holds input j (low nibble) and input j + 16 (high nibble); w = (q - 8) * d.
 - `q4_1` (GGUF): `qweight` uint8 [out, in / 2] as q4_0's, `scale` and `min` float16
   [out, in / 32]; w = q * d + m.
+- `q5_0`, `q5_1` (GGUF): q4_0's and q4_1's planes with 5-bit codes, `qh` uint8 [out, in / 8]
+  beside `qweight` holding each code's fifth bit (4 bytes a block: bit j of their little-endian
+  uint32 is input j's); w = (q - 16) * d, w = q * d + m.
 GGUF files give the quantised formats' tensors as they are (`models/gguf.py`); `prepare`
 quantises a float weight the way llama.cpp does (tests, `--quantization int8`).
 
@@ -40,7 +43,10 @@ LINEAR_BF16 = "vllm_aot.linear_bf16/1"
 
 # The quantised formats' kernels (`kernels/linear_<format>.cpp`): x @ W.T from the stored tensors.
 QUANTIZED_KERNELS = MappingProxyType(
-    {fmt: f"vllm_aot.linear_{fmt}/2" for fmt in ("int8", "q8_0", "q4_0", "q4_1")}
+    {
+        **{fmt: f"vllm_aot.linear_{fmt}/2" for fmt in ("int8", "q8_0", "q4_0", "q4_1")},
+        **{fmt: f"vllm_aot.linear_{fmt}/1" for fmt in ("q5_0", "q5_1")},
+    }
 )
 
 ATEN_LINEAR = LinearKernel(ATEN, F.linear)
@@ -77,7 +83,7 @@ def _bf16_kernel(cpu: CpuFeatures) -> LinearKernel:
     return ATEN_LINEAR
 
 
-BLOCK = 32  # inputs per GGUF block (q8_0, q4_0, q4_1)
+BLOCK = 32  # inputs per GGUF block (q8_0, q4_0, q4_1, q5_0, q5_1)
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -153,6 +159,55 @@ def _dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.
     return blocks.reshape(qweight.shape[0], -1)
 
 
+def _pack_high(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values < 32 [out, blocks, 32] -> their fifth bits, uint8 [out, blocks * 4]: bit j of
+    a block's 4 bytes (a little-endian uint32) is input j's."""
+    bits = (q >> 4).reshape(q.shape[0], -1, 4, 8).to(torch.int32)
+    weights = torch.arange(8, dtype=torch.int32)
+    return (bits << weights).sum(dim=-1).to(torch.uint8).reshape(q.shape[0], -1)
+
+
+def _unpack_codes5(qweight: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """The nibbles and fifth bits -> float32 [out, in / 32, 32] of the 5-bit codes."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (qh.reshape(qh.shape[0], -1, 4, 1) >> shifts) & 1
+    return _unpack_nibbles(qweight) + 16 * bits.reshape(qh.shape[0], -1, BLOCK).float()
+
+
+def _quantize_q5_0(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """llama.cpp's rule: d = the block's value of largest magnitude / -16,
+    q = trunc(x / d + 16.5) (at most 31)."""
+    blocks = _blocks(weight)
+    extreme = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    d = extreme / -16
+    inv = torch.where(d != 0, 1 / d, 0.0)
+    q = (blocks * inv[..., None] + 16.5).trunc().clamp(0, 31).to(torch.uint8)
+    return _pack_nibbles(q & 15).contiguous(), _pack_high(q), d.half().contiguous()
+
+
+def _dequantize_q5_0(qweight: torch.Tensor, qh: torch.Tensor, scale: torch.Tensor):
+    blocks = (_unpack_codes5(qweight, qh) - 16) * scale.float()[..., None]
+    return blocks.reshape(qweight.shape[0], -1)
+
+
+def _quantize_q5_1(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """llama.cpp's rule: m = the block's minimum, d = (max - min) / 31,
+    q = trunc((x - m) / d + 0.5)."""
+    blocks = _blocks(weight)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    d = (high - low) / 31
+    inv = torch.where(d != 0, 1 / d, 0.0)
+    q = ((blocks - low[..., None]) * inv[..., None] + 0.5).trunc().clamp(0, 31).to(torch.uint8)
+    planes = (_pack_nibbles(q & 15), _pack_high(q), d.half(), low.half())
+    return tuple(p.contiguous() for p in planes)
+
+
+def _dequantize_q5_1(qweight, qh, scale, minimum):
+    codes = _unpack_codes5(qweight, qh)
+    blocks = codes * scale.float()[..., None] + minimum.float()[..., None]
+    return blocks.reshape(qweight.shape[0], -1)
+
+
 def _quantized_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKernel]:
     """Our op where our kernels run (`kernels/quant.h`), else the pure-torch multiplication:
     dequantise to float32, multiply, in the activations' dtype."""
@@ -218,6 +273,20 @@ WEIGHT_FORMATS: Mapping[str, WeightFormat] = MappingProxyType(
             _quantize_q4_1,
             _dequantize_q4_1,
             [(_U8, 2), (_F16, 32), (_F16, 32)],
+        ),
+        "q5_0": _quantized(
+            "q5_0",
+            ("qweight", "qh", "scale"),
+            _quantize_q5_0,
+            _dequantize_q5_0,
+            [(_U8, 2), (_U8, 8), (_F16, 32)],
+        ),
+        "q5_1": _quantized(
+            "q5_1",
+            ("qweight", "qh", "scale", "min"),
+            _quantize_q5_1,
+            _dequantize_q5_1,
+            [(_U8, 2), (_U8, 8), (_F16, 32), (_F16, 32)],
         ),
     }
 )

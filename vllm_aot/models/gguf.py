@@ -9,8 +9,9 @@ are (no dequantise-then-requantise), under HF tensor names.
   `model.layers.N.self_attn.q_proj`, ...) for the Llama-like families we serve (`llama`,
   `qwen2` with q/k/v biases, `qwen3` with q/k norms); tensors we do not map are never read.
 - Blocks -> planes (`formats.py`'s layouts): Q8_0 (fp16 d, 32 int8) -> `q8_0`; Q4_0 (fp16 d,
-  16 bytes) -> `q4_0`; Q4_1 (fp16 d, fp16 m, 16 bytes) -> `q4_1`; F32, F16 and BF16 tensors are
-  dense. Every plane keeps the output rows first.
+  16 bytes) -> `q4_0`; Q4_1 (fp16 d, fp16 m, 16 bytes) -> `q4_1`; Q5_0 and Q5_1 (Q4_0's and
+  Q4_1's with 4 bytes of fifth bits before the 16) -> `q5_0`, `q5_1`; F32, F16 and BF16 tensors
+  are dense. Every plane keeps the output rows first.
 - llama.cpp's converter interleaves the rotary halves of each head's q and k rows for `llama`
   (`LlamaModel.permute`); the rows of every plane are put back in HF's order here, as
   transformers' `LlamaTensorProcessor` does for its dequantised weights.
@@ -87,6 +88,23 @@ BLOCK_TYPES: Mapping[GgmlType, tuple[str, tuple[_Plane, ...]]] = {
         "q4_1",
         (
             _Plane("qweight", 4, 20, torch.uint8),
+            _Plane("scale", 0, 2, torch.float16),
+            _Plane("min", 2, 4, torch.float16),
+        ),
+    ),
+    GgmlType.Q5_0: (
+        "q5_0",
+        (
+            _Plane("qweight", 6, 22, torch.uint8),
+            _Plane("qh", 2, 6, torch.uint8),
+            _Plane("scale", 0, 2, torch.float16),
+        ),
+    ),
+    GgmlType.Q5_1: (
+        "q5_1",
+        (
+            _Plane("qweight", 8, 24, torch.uint8),
+            _Plane("qh", 4, 8, torch.uint8),
             _Plane("scale", 0, 2, torch.float16),
             _Plane("min", 2, 4, torch.float16),
         ),
