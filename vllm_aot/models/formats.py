@@ -15,6 +15,8 @@ are fused, permuted and sharded plane by plane; GGUF blocks hold 32 consecutive 
   block's 16 holds input j (low nibble) and input j + 16 (high nibble); w = (q - 8) * d.
 - `q4_1` (GGUF): `qweight` uint8 [out, in / 2] as q4_0's, `scale` and `min` float16
   [out, in / 32]; w = q * d + m.
+- `q4_k`, `q5_k`, `q6_k` (GGUF K-quants): `blocks` uint8 [out, in / 256 * 144 | 176 | 210], the
+  file's super-blocks of 256 inputs as stored (layouts in `formats_k.py`).
 GGUF files give the quantised formats' tensors as they are (`models/gguf.py`); `prepare`
 quantises a float weight the way llama.cpp does (tests, `--quantization int8`).
 
@@ -27,11 +29,13 @@ kernels are tested against).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 
+from vllm_aot.models import formats_k
 from vllm_aot.models.linear import CpuFeatures, LinearKernel, WeightFormat
 
 # Kernel names: the contracts a program's cache key names; bump the version when one changes.
@@ -40,7 +44,10 @@ LINEAR_BF16 = "vllm_aot.linear_bf16/1"
 
 # The quantised formats' kernels (`kernels/linear_<format>.cpp`): x @ W.T from the stored tensors.
 QUANTIZED_KERNELS = MappingProxyType(
-    {fmt: f"vllm_aot.linear_{fmt}/2" for fmt in ("int8", "q8_0", "q4_0", "q4_1")}
+    {
+        **{fmt: f"vllm_aot.linear_{fmt}/2" for fmt in ("int8", "q8_0", "q4_0", "q4_1")},
+        **{fmt: f"vllm_aot.linear_{fmt}/1" for fmt in formats_k.BLOCK_BYTES},
+    }
 )
 
 ATEN_LINEAR = LinearKernel(ATEN, F.linear)
@@ -173,11 +180,12 @@ def _quantized_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKe
 
 
 def _planes(*planes: tuple[torch.dtype, int]) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
-    """Example tensors, one per (dtype, inputs per element: 0 for one per output row)."""
+    """Example tensors, one per (dtype, inputs per element, an int or a Fraction: 0 for one per
+    output row)."""
 
     def example(out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
         return tuple(
-            torch.zeros(out_features, in_features // per, dtype=dtype)
+            torch.zeros(out_features, int(in_features / per), dtype=dtype)
             if per
             else torch.zeros(out_features, dtype=dtype)
             for dtype, per in planes
@@ -219,6 +227,16 @@ WEIGHT_FORMATS: Mapping[str, WeightFormat] = MappingProxyType(
             _dequantize_q4_1,
             [(_U8, 2), (_F16, 32), (_F16, 32)],
         ),
+        **{
+            fmt: _quantized(
+                fmt,
+                ("blocks",),
+                getattr(formats_k, f"quantize_{fmt}"),
+                getattr(formats_k, f"dequantize_{fmt}"),
+                [(_U8, Fraction(formats_k.SUPER, size))],
+            )
+            for fmt, size in formats_k.BLOCK_BYTES.items()
+        },
     }
 )
 
