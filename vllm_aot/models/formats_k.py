@@ -151,7 +151,10 @@ def quantize_q6_k(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     q = ((x * _inverse(step)[..., None]).round().clamp(-32, 31) + 32).to(torch.uint8)
     q = q.reshape(*q.shape[:2], 2, 4, 32)  # half, group, j
     ql = torch.cat(
-        [q[..., 0, :] & 15 | ((q[..., 2, :] & 15) << 4), q[..., 1, :] & 15 | ((q[..., 3, :] & 15) << 4)],
+        [
+            q[..., 0, :] & 15 | ((q[..., 2, :] & 15) << 4),
+            q[..., 1, :] & 15 | ((q[..., 3, :] & 15) << 4),
+        ],
         dim=-1,
     )  # [out, n, 2, 64]
     shifts = torch.tensor([0, 2, 4, 6]).reshape(4, 1)
