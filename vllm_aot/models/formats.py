@@ -18,7 +18,8 @@ are fused, permuted and sharded plane by plane; GGUF blocks hold 32 consecutive 
 - `q4_k`, `q5_k`, `q6_k` (GGUF K-quants): `blocks` uint8 [out, in / 256 * 144 | 176 | 210], the
   file's super-blocks of 256 inputs as stored (layouts in `formats_k.py`).
 GGUF files give the quantised formats' tensors as they are (`models/gguf.py`); `prepare`
-quantises a float weight the way llama.cpp does (tests, `--quantization int8`).
+quantises a float weight the way llama.cpp does (tests, `--quantization int8`; the K-quants' by a
+simpler rule, for tests).
 
 Which kernel a format picks on a CPU is named in every program's cache key
 (`kernels.program_kernels`): the quantised formats' own op (`kernels/linear_<format>.cpp`, bias
