@@ -1,7 +1,8 @@
-// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp) share: the stored weight
-// as one view, the instruction set chosen at run time, and the op's driver, which picks a path by
-// the number of activation rows m. The activations are never rounded to int8: the weights are
-// dequantised (w = code * d + m per block of 32) and multiplied by the activations, float32 or
+// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1.cpp, and the GGUF K-quants'
+// through `quant_k.h`) share: the stored weight as one view, the instruction set chosen at run
+// time, and the op's driver, which picks a path by the number of activation rows m. The
+// activations are never rounded to int8: the weights are dequantised (w = code * d + m per block
+// of 32) and multiplied by the activations, float32 or
 // bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to
 // float32 rounding, as the pure-torch reference does. (llama.cpp quantises the activations to
 // int8 blocks for integer dot products, at a cost in accuracy: see
