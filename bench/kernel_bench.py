@@ -3,6 +3,7 @@ machine's memory bandwidth.
 
     .venv/bin/python bench/kernel_bench.py [--formats q4_1,q8_0,q4_0,q5_0,q5_1,int8]
                                            [--rows 1,8,32,256] [--dtype bfloat16] [--repeats 7]
+    .venv/bin/python bench/kernel_bench.py --mlp [--formats q4_0,...,q6_k] [--dtype float32]
 
 Every call reads weights from memory, not from a cache: each shape's stored weights are copied
 until the copies pass 4x the last-level cache and the calls rotate through them (a decode step
@@ -10,8 +11,11 @@ reads ~100 MB of weights once, so this is what the model sees). Per format, line
 count: the median time per call over `--repeats` passes, for one row the weight bytes read per
 second and their share of the measured bandwidth (a sum over 1 GiB on torch's threads), and the
 bfloat16 linear's time on the same shape divided by ours (this CPU's bf16 kernel choice:
-`models/formats.py`). Then one batch-1 decode step's linears (30 layers and the head) per format.
-The machine may be shared: medians of several passes, still noisy.
+`models/formats.py`). Then one batch-1 decode step's linears (30 layers and the head) per format
+(the K-quants, whose rows are super-blocks of 256 inputs, skip the bundled model's 576-input
+linears). `--mlp`: instead, the GGUF block formats side by side on Llama-3.2-1B's MLP linears,
+1 and 8 rows: time and weight bytes per second. The machine may be shared: medians of several
+passes, still noisy.
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ from rich.table import Table
 
 from vllm_aot import kernels
 from vllm_aot.models.formats import WEIGHT_FORMATS
+from vllm_aot.models.formats_k import BLOCK_BYTES, SUPER
 
 # The bundled SmolLM2-135M's linears [out, in] (hidden 576, 9 + 2 x 3 heads of 64, MLP 1536).
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEAD_SHAPE = (49152, 576)
 NUM_LAYERS = 30
+# Llama-3.2-1B's MLP linears [out, in] (hidden 2048, MLP 8192): gate/up and down.
+MLP_SHAPES = {"gate/up": (8192, 2048), "down": (2048, 8192)}
+MLP_FORMATS = "q4_0,q4_1,q8_0,q4_k,q5_k,q6_k"
 ROTATION_BYTES = 128 << 20  # 4x this machine's 32 MiB L3
 
 
@@ -109,6 +117,8 @@ def shape_table(args, bandwidth: float) -> Table:
         for name, shape in shapes.items():
             if name == "head" and fmt != "q8_0":  # the bundled model's head
                 continue
+            if fmt in BLOCK_BYTES and shape[1] % SUPER:  # not whole super-blocks
+                continue
             case = make_case(fmt, shape)
             for rows in args.rows:
                 x = activations(rows, shape[1], dtype)
@@ -162,7 +172,7 @@ def step_table(args, bandwidth: float) -> Table:
         table.add_column(column, justify="right")
     dtype = getattr(torch, args.dtype)
     bf16, _ = decode_step_seconds("bf16", "bf16", torch.bfloat16, args.repeats)
-    for fmt in args.formats:
+    for fmt in [f for f in args.formats if f not in BLOCK_BYTES]:
         head_fmt = "q8_0" if fmt in ("q4_1", "q4_0", "q8_0", "q5_0", "q5_1") else fmt
         seconds, nbytes = decode_step_seconds(fmt, head_fmt, dtype, args.repeats)
         table.add_row(
@@ -178,21 +188,47 @@ def step_table(args, bandwidth: float) -> Table:
     return table
 
 
+def mlp_table(args, bandwidth: float) -> Table:
+    """The formats side by side on Llama-3.2-1B's MLP linears: 1 and 8 rows."""
+    table = Table(
+        title=f"Llama-3.2-1B MLP linears, x {args.dtype} ({torch.get_num_threads()} threads)"
+    )
+    for column in ("format", "[out, in]", "MB", "1 row us", "GB/s", "% of bw", "8 rows us", "GB/s"):
+        table.add_column(column, justify="left" if column == "format" else "right")
+    dtype = getattr(torch, args.dtype)
+    for fmt in args.formats:
+        for shape in MLP_SHAPES.values():
+            case = make_case(fmt, shape)
+            row = [fmt, f"{list(shape)}", f"{case.weight_bytes / 1e6:.1f}"]
+            for rows in (1, 8):
+                seconds = seconds_per_call(case, activations(rows, shape[1], dtype), args.repeats)
+                rate = case.weight_bytes / seconds
+                row += [f"{seconds * 1e6:.0f}", f"{rate / 1e9:.1f}"]
+                row += [f"{100 * rate / bandwidth:.0f}"] if rows == 1 else []
+            table.add_row(*row)
+            del case
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--formats", default="q4_1,q8_0,q4_0,q5_0,q5_1,int8", type=lambda s: s.split(",")
-    )
+    parser.add_argument("--formats", default=None, type=lambda s: s.split(","))
     parser.add_argument("--rows", default="1,8,32,256", type=lambda s: list(map(int, s.split(","))))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip-shapes", action="store_true", help="only the decode step")
+    parser.add_argument("--mlp", action="store_true", help="the GGUF formats on Llama-3.2-1B's MLP")
     args = parser.parse_args(argv)
+    default = MLP_FORMATS if args.mlp else "q4_1,q8_0,q4_0,q5_0,q5_1,int8"
+    args.formats = args.formats or default.split(",")
     kernels.load()
     console = Console(width=160)
     bandwidth = measured_bandwidth(args.repeats)
     isa = torch.ops.vllm_aot.quant_isa()
     console.print(f"memory bandwidth (1 GiB sum): {bandwidth / 1e9:.1f} GB/s; kernels: {isa}")
+    if args.mlp:
+        console.print(mlp_table(args, bandwidth))
+        return
     if not args.skip_shapes:
         console.print(shape_table(args, bandwidth))
     console.print(step_table(args, bandwidth))

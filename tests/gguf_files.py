@@ -3,7 +3,8 @@ GGUF loader reads back from them (the reference our planes must equal); for test
 
 `write_gguf` takes an HF directory (`models/tiny.py`): tensors renamed by the `gguf` package's
 name map, q and k rows permuted for `llama` (`convert_hf_to_gguf.LlamaModel.permute`), each
-quantised with `gguf.quants` in the type asked; the output directory holds config.json, the
+quantised with `gguf.quants` in the type asked (the K-quants, which `gguf.quants` cannot
+quantise, by our formats' `prepare`); the output directory holds config.json, the
 tokenizer and `model.gguf`, no safetensors.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_aot.models.formats import WEIGHT_FORMATS
 from vllm_aot.models.tiny import TOKENIZER_FILES
 
 GgmlType = gguf.GGMLQuantizationType
@@ -28,6 +30,15 @@ GGUF_ARCHITECTURES = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
 }
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+K_QUANTS = {GgmlType.Q4_K: "q4_k", GgmlType.Q5_K: "q5_k", GgmlType.Q6_K: "q6_k"}
+
+
+def quantize(data: np.ndarray, qtype: GgmlType) -> np.ndarray:
+    """A tensor's bytes in `qtype`, as `gguf.quants.quantize` gives them."""
+    if qtype in K_QUANTS:
+        (blocks,) = WEIGHT_FORMATS[K_QUANTS[qtype]].prepare(torch.from_numpy(data))
+        return blocks.numpy()
+    return gguf.quants.quantize(data, qtype)
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -82,7 +93,7 @@ def write_gguf(
             GgmlType.F32 if data.ndim == 1 else vocab_type if name in VOCAB_ROWS else linear_type
         )
         qtype = (types or {}).get(name, default)
-        writer.add_tensor(names[name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        writer.add_tensor(names[name], quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -83,8 +83,8 @@ def test_program_kernels_name_each_format_the_attention_the_experts_and_the_head
 def test_every_format_prepares_what_its_example_declares(name):
     fmt = WEIGHT_FORMATS[name]
     assert fmt.name == name and weight_format(name) is fmt
-    prepared = fmt.prepare(torch.randn(24, 64))
-    example = fmt.example(24, 64)
+    prepared = fmt.prepare(torch.randn(24, 256))  # whole super-blocks of the K-quants
+    example = fmt.example(24, 256)
     assert len(prepared) == len(example) == len(fmt.tensor_names)
     assert [(t.shape, t.dtype) for t in prepared] == [(t.shape, t.dtype) for t in example]
     assert all(t.is_contiguous() for t in prepared)
@@ -104,7 +104,7 @@ def usable_kernels(name: str) -> list:
 @pytest.mark.parametrize("name", sorted(WEIGHT_FORMATS))
 def test_every_format_multiplies_like_the_float_linear(name):
     g = torch.Generator().manual_seed(1)
-    w, x, b = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(48)
+    w, x, b = torch.randn(48, 256, generator=g), torch.randn(5, 256, generator=g), torch.randn(48)
     fmt = WEIGHT_FORMATS[name]
     stored = fmt.prepare(w)
     x = x.to(stored[0].dtype) if stored[0].is_floating_point() else x
@@ -117,8 +117,8 @@ def test_every_format_multiplies_like_the_float_linear(name):
 
 
 def test_unknown_format_names_the_supported_ones():
-    with pytest.raises(ValueError, match="'q4_k' is not supported; supported: fp32, bf16, int8"):
-        weight_format("q4_k")
+    with pytest.raises(ValueError, match="'q3_k' is not supported; supported: fp32, bf16, int8"):
+        weight_format("q3_k")
     assert dense_format(torch.bfloat16).name == "bf16"
 
 

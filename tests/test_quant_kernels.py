@@ -38,12 +38,15 @@ pytestmark = [pytest.mark.unit, needs_kernels]
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = tuple(QUANTIZED_KERNELS)
-ROWS = (1, 2, 3, 4, 5, 8, 17, 32, 33, 300)
+ROWS = (1, 2, 3, 4, 5, 8, 9, 17, 32, 33, 300)
 MAX_DIRECT_ROWS = 8  # `kernels/quant.h`: kMaxDirectRows
 MAX_DIRECT_ROWS_AVX2_FIXED = 32  # kMaxDirectRowsAvx2Fixed
 MIN_AMX_ROWS, MAX_AMX_ROWS = 5, 32  # kMinAmxRows (formats with a VNNI kernel), kMaxAmxRows
-# (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails).
+# (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails); the
+# K-quants' rows are whole super-blocks of 256.
 SHAPES = ((7, 96), (33, 576), (65, 1536))
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # bfloat16 activations widened on every CPU (`quant_k.h`)
+K_SHAPES = ((7, 256), (33, 2048))
 DTYPES = (torch.float32, torch.bfloat16)
 # The formats whose bfloat16 activations become fixed point, per instruction set (`Format` in
 # `kernels/quant.h`: multiply_bf16).
@@ -72,7 +75,8 @@ def check_case(
     fixed_point = fmt in FIXED_POINT[isa] and dtype == torch.bfloat16
     direct_rows = MAX_DIRECT_ROWS_AVX2_FIXED if fixed_point and isa == "avx2" else MAX_DIRECT_ROWS
     bf16_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
-    amx_rows = MAX_AMX_ROWS if isa == "amx" and dtype == torch.bfloat16 else 0
+    tiles = isa == "amx" and dtype == torch.bfloat16 and fmt not in K_QUANTS
+    amx_rows = MAX_AMX_ROWS if tiles else 0
     for rows in row_counts:
         # Inputs of different sizes, so blocks have different scales.
         spread = torch.rand(in_features, generator=g)
@@ -100,7 +104,7 @@ def check_case(
 
 def check_all() -> None:
     for fmt in FORMATS:
-        for out_features, in_features in SHAPES:
+        for out_features, in_features in K_SHAPES if fmt in K_QUANTS else SHAPES:
             for dtype in DTYPES:
                 check_case(fmt, out_features, in_features, dtype)
 
@@ -113,7 +117,7 @@ def loaded():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_matches_the_reference_on_every_row_path(fmt, dtype):
-    for out_features, in_features in SHAPES:
+    for out_features, in_features in K_SHAPES if fmt in K_QUANTS else SHAPES:
         check_case(fmt, out_features, in_features, dtype)
 
 
@@ -174,13 +178,13 @@ def test_int8_rows_of_any_length():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_registered_kernel_keeps_leading_dimensions_and_adds_bias(fmt):
-    stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(16, 64))
+    stored = WEIGHT_FORMATS[fmt].prepare(torch.randn(16, 256))
     kernel = WEIGHT_FORMATS[fmt].kernel(kernels.cpu_features())
     assert kernel.name == QUANTIZED_KERNELS[fmt]
-    x, bias = torch.randn(2, 3, 64).bfloat16(), torch.randn(16).bfloat16()
+    x, bias = torch.randn(2, 3, 256).bfloat16(), torch.randn(16).bfloat16()
     got = kernel.apply(x, *stored, bias)
     assert got.shape == (2, 3, 16) and got.dtype == torch.bfloat16
-    want = op(fmt)(x.reshape(6, 64), *stored).reshape(2, 3, 16) + bias
+    want = op(fmt)(x.reshape(6, 256), *stored).reshape(2, 3, 16) + bias
     torch.testing.assert_close(got, want)
     meta = op(fmt)(x.to("meta"), *(t.to("meta") for t in stored))
     assert meta.shape == (2, 3, 16) and meta.dtype == torch.bfloat16

@@ -1,13 +1,15 @@
-// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1/q5_0/q5_1.cpp) share: the stored
-// weight as one view, the instruction set chosen at run time, and the op's driver, which picks a
-// path by the number of activation rows m. The activations are never rounded to int8: the weights
-// are dequantised (w = code * d + m per block of 32) and multiplied by the activations, float32 or
-// bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to float32
-// rounding, as the pure-torch reference does. (llama.cpp quantises the activations to int8 blocks
-// for integer dot products, at a cost in accuracy: see docs/benchmarks.md#int8-activations. The
-// weights' bytes, which bound a decode step, are the same.) bfloat16 activations, 8 significant
-// bits, may become 15- or 16-bit fixed point per block for integer products: that moves each by at
-// most 2^-15 of its block's largest, 64x below the bfloat16 rounding it already carries.
+// What the quantised-weight linears (linear_int8/q8_0/q4_0/q4_1/q5_0/q5_1.cpp, and the GGUF
+// K-quants' through `quant_k.h`) share: the stored weight as one view, the instruction set chosen at run
+// time, and the op's driver, which picks a path by the number of activation rows m. The
+// activations are never rounded to int8: the weights are dequantised (w = code * d + m per block
+// of 32) and multiplied by the activations, float32 or
+// bfloat16, with float32 sums, so a program computes what the checkpoint's weights say, to
+// float32 rounding, as the pure-torch reference does. (llama.cpp quantises the activations to
+// int8 blocks for integer dot products, at a cost in accuracy: see
+// docs/benchmarks.md#int8-activations. The weights' bytes, which bound a decode step, are the
+// same.) bfloat16 activations, 8 significant bits, may become 15- or
+// 16-bit fixed point per block for integer products: that moves each by at most 2^-15 of its
+// block's largest, 64x below the bfloat16 rounding it already carries.
 //
 // - m <= kMaxDirectRows (decode at small batch; kMaxDirectRowsAvx2Fixed on that path): weight-row tiles in parallel, each block of 32
 //   weights widened from its codes in registers and used by a register block of activation rows

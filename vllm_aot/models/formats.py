@@ -18,8 +18,11 @@ are fused, permuted and sharded plane by plane; GGUF blocks hold 32 consecutive 
 - `q5_0`, `q5_1` (GGUF): q4_0's and q4_1's planes with 5-bit codes, `qh` uint8 [out, in / 8]
   beside `qweight` holding each code's fifth bit (4 bytes a block: bit j of their little-endian
   uint32 is input j's); w = (q - 16) * d, w = q * d + m.
+- `q4_k`, `q5_k`, `q6_k` (GGUF K-quants): `blocks` uint8 [out, in / 256 * 144 | 176 | 210], the
+  file's super-blocks of 256 inputs as stored (layouts in `formats_k.py`).
 GGUF files give the quantised formats' tensors as they are (`models/gguf.py`); `prepare`
-quantises a float weight the way llama.cpp does (tests, `--quantization int8`).
+quantises a float weight the way llama.cpp does (tests, `--quantization int8`; the K-quants' by a
+simpler rule, for tests).
 
 Which kernel a format picks on a CPU is named in every program's cache key
 (`kernels.program_kernels`): the quantised formats' own op (`kernels/linear_<format>.cpp`, bias
@@ -30,11 +33,13 @@ kernels are tested against).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 
+from vllm_aot.models import formats_k
 from vllm_aot.models.linear import CpuFeatures, LinearKernel, WeightFormat
 
 # Kernel names: the contracts a program's cache key names; bump the version when one changes.
@@ -46,6 +51,7 @@ QUANTIZED_KERNELS = MappingProxyType(
     {
         **{fmt: f"vllm_aot.linear_{fmt}/2" for fmt in ("int8", "q8_0", "q4_0", "q4_1")},
         **{fmt: f"vllm_aot.linear_{fmt}/1" for fmt in ("q5_0", "q5_1")},
+        **{fmt: f"vllm_aot.linear_{fmt}/1" for fmt in formats_k.BLOCK_BYTES},
     }
 )
 
@@ -228,11 +234,12 @@ def _quantized_kernel(name: str, dequantize) -> Callable[[CpuFeatures], LinearKe
 
 
 def _planes(*planes: tuple[torch.dtype, int]) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
-    """Example tensors, one per (dtype, inputs per element: 0 for one per output row)."""
+    """Example tensors, one per (dtype, inputs per element, an int or a Fraction: 0 for one per
+    output row)."""
 
     def example(out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
         return tuple(
-            torch.zeros(out_features, in_features // per, dtype=dtype)
+            torch.zeros(out_features, int(in_features / per), dtype=dtype)
             if per
             else torch.zeros(out_features, dtype=dtype)
             for dtype, per in planes
@@ -288,6 +295,16 @@ WEIGHT_FORMATS: Mapping[str, WeightFormat] = MappingProxyType(
             _dequantize_q5_1,
             [(_U8, 2), (_U8, 8), (_F16, 32), (_F16, 32)],
         ),
+        **{
+            fmt: _quantized(
+                fmt,
+                ("blocks",),
+                getattr(formats_k, f"quantize_{fmt}"),
+                getattr(formats_k, f"dequantize_{fmt}"),
+                [(_U8, Fraction(formats_k.SUPER, size))],
+            )
+            for fmt, size in formats_k.BLOCK_BYTES.items()
+        },
     }
 )
 

@@ -10,8 +10,9 @@ are (no dequantise-then-requantise), under HF tensor names.
   `qwen2` with q/k/v biases, `qwen3` with q/k norms); tensors we do not map are never read.
 - Blocks -> planes (`formats.py`'s layouts): Q8_0 (fp16 d, 32 int8) -> `q8_0`; Q4_0 (fp16 d,
   16 bytes) -> `q4_0`; Q4_1 (fp16 d, fp16 m, 16 bytes) -> `q4_1`; Q5_0 and Q5_1 (Q4_0's and
-  Q4_1's with 4 bytes of fifth bits before the 16) -> `q5_0`, `q5_1`; F32, F16 and BF16 tensors
-  are dense. Every plane keeps the output rows first.
+  Q4_1's with 4 bytes of fifth bits before the 16) -> `q5_0`, `q5_1`; Q4_K, Q5_K, Q6_K ->
+  `q4_k`, `q5_k`, `q6_k`, whose one plane is the whole super-block: a view of the mapped file,
+  not a copy; F32, F16 and BF16 tensors are dense. Every plane keeps the output rows first.
 - llama.cpp's converter interleaves the rotary halves of each head's q and k rows for `llama`
   (`LlamaModel.permute`); the rows of every plane are put back in HF's order here, as
   transformers' `LlamaTensorProcessor` does for its dequantised weights.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -109,6 +111,14 @@ BLOCK_TYPES: Mapping[GgmlType, tuple[str, tuple[_Plane, ...]]] = {
             _Plane("min", 2, 4, torch.float16),
         ),
     ),
+    **{
+        ggml_type: (fmt, (_Plane("blocks", 0, GGML_QUANT_SIZES[ggml_type][1], torch.uint8),))
+        for ggml_type, fmt in (
+            (GgmlType.Q4_K, "q4_k"),
+            (GgmlType.Q5_K, "q5_k"),
+            (GgmlType.Q6_K, "q6_k"),
+        )
+    },
 }
 SUPPORTED_TYPES = ", ".join(t.name for t in [*BLOCK_TYPES, *DENSE_TYPES])
 
@@ -273,7 +283,8 @@ def _unpermuted_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 
 
 def _split(data: np.ndarray, tensor: GgufTensor, what: str) -> GgufWeight:
-    """The tensor's bytes -> its planes (copies: each plane one contiguous tensor)."""
+    """The tensor's bytes -> its planes (copies: each plane one contiguous tensor; a plane that
+    spans the whole block is a read-only view of the mapped file, never written)."""
     rows = int(np.prod(tensor.shape[:-1]))
     block_size, block_bytes = GGML_QUANT_SIZES[tensor.type]
     num_bytes = rows * tensor.shape[-1] // block_size * block_bytes
@@ -284,6 +295,10 @@ def _split(data: np.ndarray, tensor: GgufTensor, what: str) -> GgufWeight:
     if tensor.type not in BLOCK_TYPES:
         raise ValueError(f"{what} is {tensor.type.name}; supported types: {SUPPORTED_TYPES}")
     fmt, planes = BLOCK_TYPES[tensor.type]
+    if len(planes) == 1 and (planes[0].start, planes[0].stop) == (0, block_bytes):
+        with warnings.catch_warnings():  # the mapping is read-only, as a weight is
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return GgufWeight(tensor.type, fmt, (torch.from_numpy(raw.reshape(rows, -1)),))
     blocks = raw.reshape(rows, -1, block_bytes)
     tensors = tuple(
         torch.from_numpy(np.ascontiguousarray(blocks[..., p.start : p.stop]))
