@@ -41,7 +41,7 @@ from vllm_aot.loading.program_sources import (
     with_checkpoint_formats,
 )
 from vllm_aot.models.gguf import find_gguf
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
 

@@ -27,7 +27,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.gguf import GgufFile, find_gguf, gguf_weight_formats
 from vllm_aot.models.linear import Linear, Rank, shard_stored, shard_weight
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch
 
 
 class Checkpoint(Protocol):
