@@ -161,8 +161,8 @@ def companion_dir(path: str | Path, models_root: Path | None = None) -> Path:
 
         logger.info("vllm-aot: reading the tokenizer of %s into %s (once)", file.path, target)
         with staged_dir(target) as staging:
-            _write_companion(file, config, staging)
             (staging / real.name).symlink_to(real)
+            _write_companion(file, config, staging)
             marker = {"version": COMPANION_VERSION, "source": str(real)}
             (staging / _MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
 
@@ -180,5 +180,8 @@ def _write_companion(file: GgufFile, config: dict[str, Any], out_dir: Path) -> N
     if "tokenizer.ggml.model" not in file.metadata:
         logger.warning("vllm-aot: %s carries no tokenizer; give one (--tokenizer)", file.path)
         return
-    tokenizer = AutoTokenizer.from_pretrained(file.path.parent, gguf_file=file.path.name)
+    # From `out_dir`, which holds the link to the file and nothing else of a tokenizer's: the
+    # file's directory may hold tokenizer files transformers would read instead.
+    link = out_dir / file.path.resolve().name
+    tokenizer = AutoTokenizer.from_pretrained(out_dir, gguf_file=link.name)
     tokenizer.save_pretrained(out_dir)
