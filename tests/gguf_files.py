@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -58,11 +58,13 @@ def write_gguf(
     vocab_type: GgmlType = GgmlType.Q8_0,
     types: Mapping[str, GgmlType] | None = None,
     file_name: str = "model.gguf",
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """`out_dir` with config.json, the tokenizer and `file_name` of `hf_dir`'s weights: layer
     linears in `linear_type`, embedding and head in `vocab_type`, vectors F32, any HF name in
     `types` as given there (a numpy dtype: a tensor of that dtype, e.g. F64). The file's
-    metadata are what llama.cpp's converter writes: the model's numbers and its tokenizer."""
+    metadata are what llama.cpp's converter writes: the model's numbers and its tokenizer;
+    `extra` adds its own (metadata, tensors) before the weights."""
     config = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     names = gguf_names(family, list(tensors), config["num_hidden_layers"])
@@ -72,6 +74,8 @@ def write_gguf(
     writer = gguf.GGUFWriter(out_dir / file_name, arch_name)
     add_model_metadata(writer, load_arch(hf_dir))
     add_tokenizer_metadata(writer, hf_dir, config)
+    if extra is not None:
+        extra(writer)
     for name, tensor in tensors.items():
         data = tensor.float().numpy()
         if family == "llama" and ".q_proj." in name:

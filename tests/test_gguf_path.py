@@ -18,6 +18,7 @@ from tests.helpers import tiny_config
 from vllm_aot.cache.keys import program_cache_key
 from vllm_aot.loading.startup import load_model
 from vllm_aot.models.checkpoints import resolve_weight_formats
+from vllm_aot.models.config import RopeSpec
 from vllm_aot.models.gguf_config import companion_dir
 from vllm_aot.models.source import load_arch
 from vllm_aot.models.weights import load_weights
@@ -57,6 +58,56 @@ def test_the_files_config_is_the_one_its_model_was_made_from(gguf_files, tiny_mo
     # float32 metadata, read as transformers reads them: 1e-5 is 9.9999997e-06
     assert from_file.rms_norm_eps == pytest.approx(made_from.rms_norm_eps, rel=1e-6)
     assert dataclasses.replace(from_file, rms_norm_eps=made_from.rms_norm_eps) == made_from
+
+
+def llama3_factors(arch, factor=8.0, low=1.0, high=4.0, original=8192) -> np.ndarray:
+    """`convert_hf_to_gguf.LlamaModel`'s `rope_freqs` of Llama 3's rotary scaling."""
+    import math
+
+    factors = []
+    for freq in RopeSpec(theta=arch.rope.theta, head_dim=arch.head_dim).inv_freq().tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.unit
+def test_rotary_scalings_read_from_the_file_or_refused(tiny_model_dirs, tmp_path):
+    """Llama 3's scaling from its `rope_freqs` factors, linear from the metadata; factors of
+    another scaling and other scaling types are refused naming ours."""
+    hf_dir = tiny_model_dirs("llama")
+    arch = load_arch(hf_dir)
+
+    def written(name, extra):
+        return write_gguf(hf_dir, tmp_path / name, family="llama", extra=extra) / "model.gguf"
+
+    llama3 = written("llama3", lambda w: w.add_tensor("rope_freqs.weight", llama3_factors(arch)))
+    want = RopeSpec(arch.rope.theta, arch.head_dim, "llama3", 8.0, 1.0, 4.0, 8192)
+    assert load_arch(llama3).rope == want
+
+    def linear(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+
+    assert load_arch(written("linear", linear)).rope.kind == "linear"
+    assert load_arch(written("linear", linear)).rope.factor == 2.0
+    other = llama3_factors(arch, original=16384)
+    odd = written("odd", lambda w: w.add_tensor("rope_freqs.weight", other))
+    with pytest.raises(ValueError, match="rope_freqs factors are not Llama 3's rotary scaling"):
+        load_arch(odd)
+
+    def yarn(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        load_arch(written("yarn", yarn))
 
 
 @pytest.mark.unit

@@ -41,7 +41,16 @@ def implied_quantization(source: str | Path, quantization: str | None) -> str | 
     return "gguf"
 
 
+def transformers_source(source: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(directory, keyword arguments) transformers' `from_pretrained` loads `source` from: the
+    directory itself, or a `.gguf`'s companion directory with `gguf_file` (its weights
+    dequantised by transformers)."""
+    if not is_gguf_file(source):
+        return Path(source), {}
+    return companion_dir(source), {"gguf_file": Path(source).resolve().name}
+
+
 def tokenizer_dir(source: str | Path) -> Path:
-    """Where `source`'s tokenizer is read: the directory itself, or a `.gguf`'s companion
-    directory (its tokenizer converted from the file's metadata once)."""
+    """Where `source`'s tokenizer (and config.json) is read: the directory itself, or a `.gguf`'s
+    companion directory (its tokenizer converted from the file's metadata once)."""
     return companion_dir(source) if is_gguf_file(source) else Path(source)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 
 from vllm_aot.models.gguf_config import companion_dir, is_gguf_file
-from vllm_aot.models.source import implied_quantization
+from vllm_aot.models.source import implied_quantization, load_arch
 
 _METHOD = "create_model_config"
 _SPECULATORS = "maybe_override_with_speculators"
@@ -59,6 +59,7 @@ def point_at_companion(engine_args) -> None:
     model = engine_args.model
     engine_args.quantization = implied_quantization(model, engine_args.quantization)
     try:
+        load_arch(model)  # what the families refuse (a rotary scaling), before any tokenizer
         directory = str(companion_dir(model))
     except (ValueError, KeyError) as exc:
         raise ValueError(f"vllm-aot cannot serve {model}: {exc}") from None
