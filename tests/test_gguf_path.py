@@ -192,6 +192,20 @@ def test_a_tensor_type_we_do_not_read_is_refused_naming_ours(tiny_model_dirs, tm
 
 
 @pytest.mark.unit
+def test_vllm_aot_serve_refuses_a_file_we_cannot_serve_before_any_server(tmp_path):
+    from tests.helpers import run_vllm_aot
+
+    foreign = write_foreign_gguf(tmp_path / "gemma.gguf", "gemma2")
+    done = run_vllm_aot("serve", str(foreign), "--backend", "eager", timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: vllm-aot cannot serve {foreign}: gemma.gguf: GGUF architecture 'gemma2' is not "
+        "supported; supported: llama, qwen2, qwen3"
+    )
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.unit
 def test_a_file_serves_its_own_blocks_only(gguf_files):
     with pytest.raises(ValueError, match=r"serves quantization gguf .*, not int8"):
         load_model(gguf_files("llama"), tiny_config(quantization="int8"))

@@ -43,7 +43,22 @@ def resolve_model(name: str | None, cache=None) -> Path:
             f"error: model {name!r} is neither a directory, a .gguf file nor a bundled model "
             f"({DEFAULT_MODEL_NAME}, {EMBEDDING_MODEL_NAME}); vllm-aot never downloads from a hub"
         )
+    if path.is_file():
+        refuse_unservable_gguf(path)
     return path
+
+
+def refuse_unservable_gguf(path: Path) -> None:
+    """SystemExit naming what is supported for a `.gguf` whose architecture, rotary scaling or
+    tensor types we do not run: at the command's start, before any server or engine."""
+    import torch
+
+    from vllm_aot.models.checkpoints import resolve_weight_formats
+
+    try:
+        resolve_weight_formats(path, "gguf", torch.float32)
+    except (ValueError, KeyError) as exc:
+        raise SystemExit(f"error: vllm-aot cannot serve {path}: {exc}") from None
 
 
 def int_list(text: str) -> tuple[int, ...]:
