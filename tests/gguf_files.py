@@ -59,12 +59,13 @@ def write_gguf(
     types: Mapping[str, GgmlType] | None = None,
     file_name: str = "model.gguf",
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    with_tokenizer: bool = True,
 ) -> Path:
     """`out_dir` with config.json, the tokenizer and `file_name` of `hf_dir`'s weights: layer
     linears in `linear_type`, embedding and head in `vocab_type`, vectors F32, any HF name in
     `types` as given there (a numpy dtype: a tensor of that dtype, e.g. F64). The file's
-    metadata are what llama.cpp's converter writes: the model's numbers and its tokenizer;
-    `extra` adds its own (metadata, tensors) before the weights."""
+    metadata are what llama.cpp's converter writes: the model's numbers and (`with_tokenizer`)
+    its tokenizer; `extra` adds its own (metadata, tensors) before the weights."""
     config = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     names = gguf_names(family, list(tensors), config["num_hidden_layers"])
@@ -73,7 +74,8 @@ def write_gguf(
     arch_name = gguf.MODEL_ARCH_NAMES[GGUF_ARCHITECTURES[family]]
     writer = gguf.GGUFWriter(out_dir / file_name, arch_name)
     add_model_metadata(writer, load_arch(hf_dir))
-    add_tokenizer_metadata(writer, hf_dir, config)
+    if with_tokenizer:
+        add_tokenizer_metadata(writer, hf_dir, config)
     if extra is not None:
         extra(writer)
     for name, tensor in tensors.items():

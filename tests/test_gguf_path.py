@@ -85,7 +85,8 @@ def test_rotary_scalings_read_from_the_file_or_refused(tiny_model_dirs, tmp_path
     arch = load_arch(hf_dir)
 
     def written(name, extra):
-        return write_gguf(hf_dir, tmp_path / name, family="llama", extra=extra) / "model.gguf"
+        out = write_gguf(hf_dir, tmp_path / name, family="llama", extra=extra, with_tokenizer=False)
+        return out / "model.gguf"
 
     llama3 = written("llama3", lambda w: w.add_tensor("rope_freqs.weight", llama3_factors(arch)))
     want = RopeSpec(arch.rope.theta, arch.head_dim, "llama3", 8.0, 1.0, 4.0, 8192)
@@ -191,7 +192,6 @@ def test_a_tensor_type_we_do_not_read_is_refused_naming_ours(tiny_model_dirs, tm
         load_model(path / "model.gguf", tiny_config())
 
 
-@pytest.mark.unit
 def test_vllm_aot_serve_refuses_a_file_we_cannot_serve_before_any_server(tmp_path):
     from tests.helpers import run_vllm_aot
 
@@ -255,8 +255,11 @@ def test_vllm_refuses_a_file_we_cannot_serve_in_the_front_end(
     foreign = write_foreign_gguf(tmp_path / "gemma.gguf", "gemma2")
     with pytest.raises(ValueError, match=r"cannot serve .*gemma\.gguf: .*supported: llama, qwen2"):
         engine_config(foreign)
+    hf_dir = tiny_model_dirs("llama")
+    bare = write_gguf(hf_dir, tmp_path / "bare", family="llama", with_tokenizer=False)
+    with pytest.raises(ValueError, match="carries no tokenizer; give one with --tokenizer DIR"):
+        engine_config(bare / "model.gguf")
     types = {name: np.float64 for name in DOWN}
-    out = write_gguf(tiny_model_dirs("llama"), tmp_path / "f64", family="llama", types=types)
-    shutil.rmtree(tmp_path / "models", ignore_errors=True)
+    out = write_gguf(hf_dir, tmp_path / "f64", family="llama", types=types, with_tokenizer=False)
     with pytest.raises(ValueError, match="down_proj is F64; supported types: "):
-        engine_config(out / "model.gguf")
+        engine_config(out / "model.gguf", tokenizer=str(hf_dir))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+from vllm_aot.models.gguf import GgufFile
 from vllm_aot.models.gguf_config import companion_dir, is_gguf_file
 from vllm_aot.models.source import implied_quantization, load_arch
 
@@ -60,6 +61,9 @@ def point_at_companion(engine_args) -> None:
     engine_args.quantization = implied_quantization(model, engine_args.quantization)
     try:
         load_arch(model)  # what the families refuse (a rotary scaling), before any tokenizer
+        needs_tokenizer = not (engine_args.tokenizer or engine_args.skip_tokenizer_init)
+        if needs_tokenizer and "tokenizer.ggml.model" not in GgufFile(model).metadata:
+            raise ValueError("the file carries no tokenizer; give one with --tokenizer DIR")
         directory = str(companion_dir(model))
     except (ValueError, KeyError) as exc:
         raise ValueError(f"vllm-aot cannot serve {model}: {exc}") from None
