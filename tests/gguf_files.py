@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import WEIGHT_FORMATS
+from vllm_aot.models.source import load_arch
 from vllm_aot.models.tiny import TOKENIZER_FILES
 
 GgmlType = gguf.GGMLQuantizationType
@@ -66,23 +68,27 @@ def write_gguf(
     linear_type: GgmlType = GgmlType.Q4_1,
     vocab_type: GgmlType = GgmlType.Q8_0,
     types: Mapping[str, GgmlType] | None = None,
+    file_name: str = "model.gguf",
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    with_tokenizer: bool = True,
 ) -> Path:
-    """`out_dir` with config.json, the tokenizer and `model.gguf` of `hf_dir`'s weights: layer
+    """`out_dir` with config.json, the tokenizer and `file_name` of `hf_dir`'s weights: layer
     linears in `linear_type`, embedding and head in `vocab_type`, vectors F32, any HF name in
-    `types` as given there."""
+    `types` as given there (a numpy dtype: a tensor of that dtype, e.g. F64). The file's
+    metadata are what llama.cpp's converter writes: the model's numbers and (`with_tokenizer`)
+    its tokenizer; `extra` adds its own (metadata, tensors) before the weights."""
     config = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     names = gguf_names(family, list(tensors), config["num_hidden_layers"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out_dir.mkdir(parents=True, exist_ok=True)
     arch_name = gguf.MODEL_ARCH_NAMES[GGUF_ARCHITECTURES[family]]
-    writer = gguf.GGUFWriter(out_dir / "model.gguf", arch_name)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    # A vocabulary as real files carry one: string arrays the header reader walks past.
-    writer.add_token_list([f"t{i}" for i in range(300)])
-    writer.add_token_types([1] * 300)
+    writer = gguf.GGUFWriter(out_dir / file_name, arch_name)
+    add_model_metadata(writer, load_arch(hf_dir))
+    if with_tokenizer:
+        add_tokenizer_metadata(writer, hf_dir, config)
+    if extra is not None:
+        extra(writer)
     for name, tensor in tensors.items():
         data = tensor.float().numpy()
         if family == "llama" and ".q_proj." in name:
@@ -93,6 +99,9 @@ def write_gguf(
             GgmlType.F32 if data.ndim == 1 else vocab_type if name in VOCAB_ROWS else linear_type
         )
         qtype = (types or {}).get(name, default)
+        if not isinstance(qtype, GgmlType):  # a numpy dtype, written as it is
+            writer.add_tensor(names[name], data.astype(qtype))
+            continue
         writer.add_tensor(names[name], quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -102,6 +111,44 @@ def write_gguf(
         if (hf_dir / name).is_file():
             shutil.copy(hf_dir / name, out_dir / name)
     return out_dir
+
+
+def add_model_metadata(writer: gguf.GGUFWriter, arch: ModelArch) -> None:
+    """`{arch}.*`: the numbers llama.cpp's converter writes for a Llama-like model."""
+    writer.add_block_count(arch.num_layers)
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_feed_forward_length(arch.intermediate_size)
+    writer.add_head_count(arch.num_heads)
+    writer.add_head_count_kv(arch.num_kv_heads)
+    writer.add_key_length(arch.head_dim)
+    writer.add_value_length(arch.head_dim)
+    writer.add_rope_dimension_count(arch.head_dim)
+    writer.add_rope_freq_base(arch.rope.theta)
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
+
+
+def add_tokenizer_metadata(writer: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
+    """`tokenizer.*` of `hf_dir`'s byte-level BPE tokenizer (SmolLM2's) as llama.cpp's converter
+    writes a "gpt2" one: tokens by id, their types, merges, special ids, the chat template."""
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = {**tokenizer["model"]["vocab"]}
+    special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    vocab |= {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if vocab[t] in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
+    writer.add_add_bos_token(False)
+    template = hf_dir / "chat_template.jinja"
+    if template.is_file():
+        writer.add_chat_template(template.read_text())
 
 
 def transformers_weights(model_dir: Path, hf_dir: Path, family: str) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ from vllm_aot.loading.startup import load_model
 from vllm_aot.models.config import load_hf_config
 from vllm_aot.models.embedding_model import embedding_model_dir, prepare_embedding_model
 from vllm_aot.models.pooling import Pooling, pool, read_pooling
-from vllm_aot.models.registry import arch_from_hf_config, load_arch
+from vllm_aot.models.registry import arch_from_hf_config
+from vllm_aot.models.source import load_arch
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.encode_inputs import EncoderSequence
 

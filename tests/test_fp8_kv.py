@@ -17,7 +17,7 @@ from vllm_aot.accuracy.prompts import chat_prompt_token_ids
 from vllm_aot.accuracy.teacher_forcing import HFReference
 from vllm_aot.cli.main import main
 from vllm_aot.loading.startup import load_model
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 from vllm_aot.runtime.kv_cache import KVCache

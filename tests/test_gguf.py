@@ -19,7 +19,7 @@ from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.gguf import BLOCK_TYPES, GgufFile, GgufWeight, find_gguf, hf_name
 from vllm_aot.models.linear import Linear, Rank, Shard, shard_stored, shard_weight
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 

@@ -31,7 +31,8 @@ from vllm_aot.models.layers import (
     rotary_cos_sin,
 )
 from vllm_aot.models.linear import Shard
-from vllm_aot.models.registry import arch_from_hf_config, family_of, load_arch
+from vllm_aot.models.registry import arch_from_hf_config, family_of
+from vllm_aot.models.source import load_arch
 from vllm_aot.models.tiny import make_tiny_model
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.inputs import PrefillChunk

@@ -36,7 +36,8 @@ from vllm_aot.models.family import LayerParams
 from vllm_aot.models.formats import ATEN_LINEAR
 from vllm_aot.models.layers import moe_experts, route
 from vllm_aot.models.linear import Rank
-from vllm_aot.models.registry import arch_from_hf_config, family_of, load_arch
+from vllm_aot.models.registry import arch_from_hf_config, family_of
+from vllm_aot.models.source import load_arch
 from vllm_aot.models.weights import load_weights
 from vllm_aot.runtime.generate import GenerationRequest, Generator
 

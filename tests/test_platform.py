@@ -213,7 +213,7 @@ def test_vllm_gives_an_fp8_kv_cache_more_blocks_for_the_same_bytes(tiny_model_di
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
     from vllm_aot.plugin.worker import AotWorker, kv_cache_spec
 
     num_blocks = {}

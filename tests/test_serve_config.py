@@ -217,7 +217,7 @@ def test_replica_label_and_restart_backoff():
 def test_serve_picks_the_registry_configuration_that_matches_the_flags(tmp_path, tiny_model_dir):
     from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
     from vllm_aot.cache.registry import CompiledConfiguration
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
     from vllm_aot.runtime.config import RuntimeConfig
     from vllm_aot.serve.selection import pick_from_registry
 
@@ -269,7 +269,7 @@ def test_serve_never_picks_a_configuration_longer_than_the_model_declares(tmp_pa
 
     from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
     from vllm_aot.cache.registry import CompiledConfiguration
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
     from vllm_aot.runtime.config import RuntimeConfig
     from vllm_aot.serve.selection import pick_from_registry
 

@@ -118,7 +118,7 @@ def test_programs_and_the_registry_are_keyed_by_the_rank_count(tiny_model_dir, t
     """One set of programs serves every rank of a size; another size is another set."""
     from vllm_aot.cache.keys import program_cache_key
     from vllm_aot.cache.registry import CompiledConfiguration, describe_rows
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
     from vllm_aot.runtime.programs import all_program_keys
 
     arch = load_arch(tiny_model_dir)

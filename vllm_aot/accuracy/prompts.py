@@ -28,7 +28,9 @@ def chat_prompt_token_ids(
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    from vllm_aot.models.source import tokenizer_dir as tokenizer_of
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_of(tokenizer_dir))
     sequences = []
     for prompt in prompts:
         encoded = tokenizer.apply_chat_template(

@@ -71,7 +71,10 @@ class HFReference:
         if (dtype, simulated) not in self._models:
             from transformers import AutoModelForCausalLM, GenerationConfig
 
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+            from vllm_aot.models.source import transformers_source
+
+            where, how = transformers_source(self.model_dir)  # a .gguf: dequantised
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **how)
             model.eval()
             pad = model.config.pad_token_id
             model.generation_config = GenerationConfig(pad_token_id=0 if pad is None else pad)

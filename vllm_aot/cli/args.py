@@ -21,9 +21,9 @@ _SERVE_NOTES = {
 
 
 def resolve_model(name: str | None, cache=None) -> Path:
-    """A model argument -> HF directory: a path, or the bundled default (prepared on first use:
-    fetched from `cache`'s remote store when it has it, else converted; uploaded when `cache`
-    uploads; default: the cache the environment names)."""
+    """A model argument -> HF directory or `.gguf` file: a path, or the bundled default
+    (prepared on first use: fetched from `cache`'s remote store when it has it, else converted;
+    uploaded when `cache` uploads; default: the cache the environment names)."""
     if name in (None, "", DEFAULT_MODEL_NAME, "default"):
         from vllm_aot.loading.prebuilt import bundled_model
 
@@ -38,12 +38,27 @@ def resolve_model(name: str | None, cache=None) -> Path:
 
         return prepare_embedding_model()
     path = Path(name).expanduser()
-    if not path.is_dir():
+    if not path.is_dir() and not (path.is_file() and path.suffix.lower() == ".gguf"):
         raise SystemExit(
-            f"error: model {name!r} is neither a directory nor a bundled model "
+            f"error: model {name!r} is neither a directory, a .gguf file nor a bundled model "
             f"({DEFAULT_MODEL_NAME}, {EMBEDDING_MODEL_NAME}); vllm-aot never downloads from a hub"
         )
+    if path.is_file():
+        refuse_unservable_gguf(path)
     return path
+
+
+def refuse_unservable_gguf(path: Path) -> None:
+    """SystemExit naming what is supported for a `.gguf` whose architecture, rotary scaling or
+    tensor types we do not run: at the command's start, before any server or engine."""
+    import torch
+
+    from vllm_aot.models.checkpoints import resolve_weight_formats
+
+    try:
+        resolve_weight_formats(path, "gguf", torch.float32)
+    except (ValueError, KeyError) as exc:
+        raise SystemExit(f"error: vllm-aot cannot serve {path}: {exc}") from None
 
 
 def int_list(text: str) -> tuple[int, ...]:

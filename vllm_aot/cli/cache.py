@@ -56,7 +56,7 @@ def cmd_lookup(args: argparse.Namespace, console: Console) -> int:
     from vllm_aot.cache.keys import arch_digest
     from vllm_aot.cache.registry import describe_rows
     from vllm_aot.cli.args import resolve_model
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
 
     arch = load_arch(resolve_model(args.model))
     entries = _cache(args).registry.entries(arch_digest(arch))

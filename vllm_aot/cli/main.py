@@ -70,7 +70,7 @@ def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
         ensure_programs,
         with_checkpoint_formats,
     )
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
 
     arch = load_arch(model_dir)
     config = with_checkpoint_formats(config, model_dir)  # a GGUF's formats, from its file
@@ -103,12 +103,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from vllm_aot.models.source import tokenizer_dir
     from vllm_aot.runtime.generate import GenerationRequest, Generator
     from vllm_aot.runtime.sampler import SamplingParams
 
     model_dir, model, report = load_from_args(args)
     print(f"model ready: {report.summary()}", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(model_dir))
     prompts = args.prompt or list(DEMO_PROMPTS)
     requests = []
     for prompt in prompts:

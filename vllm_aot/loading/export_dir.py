@@ -41,7 +41,7 @@ from vllm_aot.loading.program_sources import (
     with_checkpoint_formats,
 )
 from vllm_aot.models.gguf import find_gguf
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch, tokenizer_dir
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, all_program_keys
 
@@ -122,9 +122,10 @@ def export_model(
     (out_dir / "programs").mkdir(exist_ok=True)
     for key, source in paths.items():
         _link_or_copy(source, program_path(out_dir / "programs", key))
+    small_files = tokenizer_dir(model_dir)  # a .gguf's: its companion directory
     for name in _SMALL_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, out_dir / name)
+        if (small_files / name).is_file():
+            shutil.copy2(small_files / name, out_dir / name)
     if copy_weights:
         for path in _weight_files(model_dir, config):
             shutil.copy2(path, out_dir / path.name)

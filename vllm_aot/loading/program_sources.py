@@ -15,6 +15,7 @@ from vllm_aot.loading.prebuilt import ensure_kernels
 from vllm_aot.loading.progress import CompileProgress
 from vllm_aot.models.checkpoints import resolve_weight_formats
 from vllm_aot.models.config import ModelArch
+from vllm_aot.models.source import implied_quantization
 from vllm_aot.models.weights import ModelWeights, load_weights
 from vllm_aot.placement import available_cores
 from vllm_aot.runtime.backends import Program, eager_program, load_program
@@ -180,7 +181,10 @@ def _without_isa_probe() -> Iterator[None]:
 
 def with_checkpoint_formats(config: RuntimeConfig, model_dir: str | Path) -> RuntimeConfig:
     """`config` with the weight formats its checkpoint stores, when it leaves them to the file
-    (quantization "gguf" with none given); unchanged otherwise."""
+    (quantization "gguf", which a `.gguf` file implies, with none given); unchanged otherwise."""
+    quantization = implied_quantization(model_dir, config.quantization)
+    if quantization != config.quantization:
+        config = replace(config, quantization=quantization)
     if config.has_resolved_formats:
         return config
     formats = resolve_weight_formats(model_dir, config.quantization, config.torch_dtype)

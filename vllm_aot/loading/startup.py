@@ -1,12 +1,13 @@
-"""The one start-up path: a model (HF directory or exported directory) and a configuration ->
+"""The one start-up path: a model (HF directory, `.gguf` file or exported directory) and a
+configuration ->
 programs and weights -> `CompiledModel`.
 
 Every caller starts a model here: the vLLM worker, the CLI (`demo`, `validate`, `tensors`),
 benchmarks and tests. The order is fixed: what the source is (an exported directory fixes its
 configuration and never compiles), a GGUF's weight formats read from its file (quantization
-"gguf" with none given), the fit check, the programs (exported, or from the compile cache,
-compiling what is missing unless `allow_compile` is False; before any, the kernels library they
-call: `prebuilt.py`), the weights, one summary line.
+"gguf", which a `.gguf` file implies, with none given), the fit check, the programs (exported, or
+from the compile cache, compiling what is missing unless `allow_compile` is False; before any,
+the kernels library they call: `prebuilt.py`), the weights, one summary line.
 vLLM sizes the KV pool only after loading, so `start` returns the loaded parts and
 `LoadedModel.build(num_kv_blocks)` makes the model.
 """
@@ -30,7 +31,7 @@ from vllm_aot.loading.program_sources import (
     with_checkpoint_formats,
 )
 from vllm_aot.models.config import ModelArch
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch
 from vllm_aot.models.weights import ModelWeights
 from vllm_aot.runtime.backends import Program
 from vllm_aot.runtime.config import RuntimeConfig

@@ -2,8 +2,9 @@
 linear's weight format at load) or a GGUF file (tensors stored in their formats, used as they
 are).
 
-`open_checkpoint(model_dir, quantization)` opens the one a quantization reads: "gguf" the one
-`*.gguf` of the directory (`gguf.find_gguf`), anything else its safetensors. Both give tensors by
+`open_checkpoint(model_dir, quantization)` opens the one a quantization reads: "gguf" a `.gguf`
+given as the model, or the one `*.gguf` of the directory (`gguf.find_gguf`), anything else its
+safetensors. Both give tensors by
 HF name: `dense(name)` a float tensor (norms, biases) as stored; `stored(linear, names, rank)` a
 linear's weight as `linear.format` stores it, its parts (`names`) fused along the output and
 `rank`'s shard taken. A GGUF serves a quantised format only from tensors stored in it, and a
@@ -27,7 +28,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import weight_format
 from vllm_aot.models.gguf import GgufFile, find_gguf, gguf_weight_formats
 from vllm_aot.models.linear import CheckpointFormats, Linear, Rank, shard_stored, shard_weight
-from vllm_aot.models.registry import load_arch
+from vllm_aot.models.source import load_arch
 
 
 class Checkpoint(Protocol):

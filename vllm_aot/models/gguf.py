@@ -220,10 +220,17 @@ class GgufFile:
                 f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(FAMILY_OF_ARCHITECTURE)}"
             )
+        self.data_start = start  # the header (metadata, tensor table) is the bytes before
         self.tensors: Mapping[str, GgufTensor] = {
             hf: GgufTensor(ggml_type, shape, start + offset)
             for name, shape, ggml_type, offset in table
             if (hf := hf_name(name)) is not None
+        }
+        # Tensors under llama.cpp's names that no HF weight comes from, e.g. `rope_freqs.weight`.
+        self.unmapped: Mapping[str, GgufTensor] = {
+            name: GgufTensor(ggml_type, shape, start + offset)
+            for name, shape, ggml_type, offset in table
+            if hf_name(name) is None
         }
 
     def check_family(self, arch: ModelArch) -> None:
@@ -310,7 +317,10 @@ def _split(data: np.ndarray, tensor: GgufTensor, what: str) -> GgufWeight:
 
 
 def find_gguf(model_dir: str | Path) -> Path:
-    """The one `*.gguf` of a model directory (beside its config.json and tokenizer)."""
+    """The `.gguf` a model is read from: the model itself when it is a file, else the one
+    `*.gguf` of its directory (beside its config.json and tokenizer)."""
+    if Path(model_dir).is_file():
+        return Path(model_dir)
     found = sorted(Path(model_dir).glob("*.gguf"))
     if len(found) != 1:
         what = "none" if not found else ", ".join(p.name for p in found)

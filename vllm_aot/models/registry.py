@@ -2,16 +2,15 @@
 
 Each family (`models/family.py` says what one states) lives in its own file; registering it is
 adding its `FAMILY` to `FAMILIES`. Everything else finds a model's family here: the HF
-`architectures` name when reading a config, `ModelArch.family` afterwards.
+`architectures` name when reading a config (`source.load_arch`), `ModelArch.family` afterwards.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from vllm_aot.models import bert, llama, mixtral, qwen2, qwen3, qwen3_moe
-from vllm_aot.models.config import ModelArch, load_hf_config
+from vllm_aot.models.config import ModelArch
 from vllm_aot.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -56,7 +55,3 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
             f"supported: {', '.join(supported_architectures())}"
         )
     return families[name].parse_config(name, config)
-
-
-def load_arch(model_dir: str | Path) -> ModelArch:
-    return arch_from_hf_config(load_hf_config(model_dir))

@@ -299,7 +299,7 @@ def _refuse_uncached(model: str, options) -> None:
     if not options.require_cached or options.artifact_dir or options.runtime.backend != "inductor":
         return
     from vllm_aot.cache.program_cache import ProgramCache
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
 
     cache = ProgramCache(options.cache_settings())
     arch = load_arch(model)

@@ -20,6 +20,7 @@ from vllm_aot.models.registry import encoder_architectures, supported_architectu
 from vllm_aot.placement import available_cores, shared_cores_problem
 from vllm_aot.plugin.engine_flags import GIVEN_KEY, record_given
 from vllm_aot.plugin.front_end import plan_front_end
+from vllm_aot.plugin.gguf_model import install as read_gguf_models
 from vllm_aot.plugin.metrics import register_collector
 from vllm_aot.plugin.options import (
     FP8_KV_CACHE_DTYPES,
@@ -244,6 +245,7 @@ class AotPlatform(CpuPlatform):
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
         record_given()  # vLLM calls this before it fills in its defaults (plugin/engine_flags.py)
+        read_gguf_models()  # a .gguf file as the model (plugin/gguf_model.py)
         super().pre_register_and_update(parser)
 
     @classmethod

@@ -84,8 +84,12 @@ def server_command(
 
 
 def default_quantization(args: argparse.Namespace, passthrough: list[str]) -> str | None:
-    """gguf for the bundled model (its GGUF is what it is: dequantised weights gain no accuracy
-    and cost 2.5x the reads) unless a dtype or quantization is asked for; else none."""
+    """gguf for a `.gguf` file, and for the bundled model (its GGUF is what it is: dequantised
+    weights gain no accuracy, cost 2.5x the reads) unless a dtype or quantization is asked."""
+    from vllm_aot.models.gguf_config import is_gguf_file
+
+    if args.model and is_gguf_file(args.model):
+        return "gguf"
     if not is_bundled(args.model) or args.dtype:
         return None
     given = parse_vllm_flags(passthrough).given

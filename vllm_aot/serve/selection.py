@@ -51,7 +51,7 @@ def pick_from_registry(
     from vllm_aot.cache.program_cache import ProgramCache
     from vllm_aot.cache.registry import select_configuration
     from vllm_aot.models.pooling import declared_max_len
-    from vllm_aot.models.registry import load_arch
+    from vllm_aot.models.source import load_arch
     from vllm_aot.runtime.config import RuntimeConfig
 
     if backend != "inductor":
