@@ -188,6 +188,28 @@ def test_fused_parts_stored_in_other_types_serve_as_split_linears(
     assert greedy(dense_dir, tiny_config()) == ((), gguf_tokens)
 
 
+def test_the_accuracy_tools_capture_the_layers_of_split_linears(
+    gguf_dirs, tiny_model_dirs, tmp_path
+):
+    """Sub-layer capture (each layer's instrumented program in its group's formats) of Q4_K_M's
+    mix matches HF on the dequantised weights at every module."""
+    from vllm_aot.accuracy.capture import capture_hf, capture_ours
+    from vllm_aot.accuracy.teacher_forcing import HFReference
+    from vllm_aot.accuracy.tensor_compare import compare_captures
+
+    types = {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in V_AND_DOWN}
+    model_dir = gguf_dirs("llama", GgmlType.Q4_0, types)
+    dense_weights = transformers_weights(model_dir, tiny_model_dirs("llama"), "llama")
+    dense_dir = write_dense_twin(model_dir, dense_weights, tmp_path / "dense")
+    model, _ = load_model(model_dir, tiny_config(quantization="gguf"))
+    sequence = list(PROMPTS[0]) * 4
+    ours = capture_ours(model, sequence)
+    hf = capture_hf(HFReference(dense_dir), sequence, torch.float32)
+    assert "model.layers.1.self_attn.value_states" in ours.names and ours.names == hf.names
+    comparison = compare_captures(ours, hf)
+    assert comparison.passed, comparison.verdict()
+
+
 def test_each_fused_part_stored_otherwise_is_named(gguf_dirs):
     """k in Q8_0 in layer 0 and up in Q8_0 in layer 1: every part of those linears is named
     (the ones equal to "*" dropped), each layer its own group."""
@@ -228,11 +250,12 @@ def test_each_fused_part_stored_otherwise_is_named(gguf_dirs):
 @pytest.mark.slow  # eight programs compiled: minutes on two cores
 def test_layer_groups_compile_export_and_load(gguf_dirs, tmp_path, caplog):
     """Each group's layer programs compiled by Inductor (in workers), exported under their
-    names, and loaded back: the same greedy tokens as the eager programs."""
+    names, and loaded back: the same greedy tokens as the eager programs. Group 1 is Q4_K_M's
+    mix, its qkv_proj split into q|k and v."""
     from vllm_aot.cache.program_cache import CacheSettings, ProgramCache
     from vllm_aot.loading.export_dir import export_model
 
-    types = {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in MORE_BITS}
+    types = {f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in V_AND_DOWN}
     model_dir = gguf_dirs("llama", GgmlType.Q4_0, types)
     buckets = dict(decode_batch_buckets=(4,), prefill_token_buckets=(64,))
     config = tiny_config(quantization="gguf", backend="inductor", **buckets)
@@ -245,7 +268,7 @@ def test_layer_groups_compile_export_and_load(gguf_dirs, tmp_path, caplog):
     assert compiled == greedy(model_dir, tiny_config(quantization="gguf", **buckets))
     assert (
         "2 layer groups: layers 0 q4_0 (embed_tokens, lm_head: q8_0); "
-        "layers 1 down_proj, qkv_proj q8_0"
+        "layers 1 down_proj, qkv_proj.2 q8_0"
     ) in caplog.text
 
 
