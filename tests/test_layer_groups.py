@@ -1,23 +1,27 @@
 """Layer groups (`runtime/layer_groups.py`): the configuration's form, the programs of each group,
-their names and cache keys (a one-group model's hold nothing of groups), the progress line."""
+their names and cache keys (a one-group model's hold nothing of groups), the progress line; a
+fused linear whose parts a group stores in different formats, split into runs of them."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 
 from tests.helpers import tiny_arch, tiny_config
 from vllm_aot.cache.keys import program_cache_key, program_fingerprint
 from vllm_aot.loading.program_sources import check_fits
 from vllm_aot.loading.progress import CompileProgress
+from vllm_aot.models.linear import Linear, Rank, Shard, shard_bias, shard_weight, split_by_format
 from vllm_aot.runtime.config import RuntimeConfig
-from vllm_aot.runtime.programs import ProgramKey, ProgramKind, all_program_keys
+from vllm_aot.runtime.programs import ProgramKey, ProgramKind, all_program_keys, layer_spec
 
 pytestmark = pytest.mark.unit
 
 FORMATS = (("*", "q4_0"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0"))
 OVERRIDES = (("down_proj", "q8_0"), ("qkv_proj", "q8_0"))
+V_ONLY = (("down_proj", "q8_0"), ("qkv_proj.2", "q8_0"))  # Q4_K_M's mix: v alone of q|k|v
 
 
 def two_groups(**overrides) -> RuntimeConfig:
@@ -102,3 +106,63 @@ def test_compile_progress_counts_each_group():
     assert lines == [
         "compiling programs: 3/3 done, 0s elapsed (layer programs by group 0: 1/1, 1: 1/1)"
     ]
+
+
+def test_a_linear_splits_into_runs_of_parts_that_share_a_format():
+    """q|k in one format and v in another: two runs, each a linear of its parts; per rank, the
+    runs' column shards (weight and bias) concatenated are the whole linear's."""
+    qkv = Linear("qkv_proj", 12, (16, 8, 8), ("q", "k", "v"), "fp32", Shard.COLUMN, True)
+    runs = split_by_format(qkv, lambda name: "q8_0" if name == "qkv_proj.2" else "q4_0")
+    assert [(r.name, r.out_parts, r.sources, r.format, r.part_of) for r in runs] == [
+        ("qkv_proj.0", (16, 8), ("q", "k"), "q4_0", "qkv_proj"),
+        ("qkv_proj.2", (8,), ("v",), "q8_0", "qkv_proj"),
+    ]
+    assert split_by_format(qkv, lambda name: "q8_0") == (dataclasses.replace(qkv, format="q8_0"),)
+    weight, bias = torch.randn(32, 12), torch.randn(32)
+    for index in range(2):
+        rank = Rank(index, 2)
+        parts = zip(runs, weight.split([24, 8]), bias.split([24, 8]), strict=True)
+        shards = [(shard_weight(r, w, rank), shard_bias(r, b, rank)) for r, w, b in parts]
+        assert torch.equal(torch.cat([w for w, _ in shards]), shard_weight(qkv, weight, rank))
+        assert torch.equal(torch.cat([b for _, b in shards]), shard_bias(qkv, bias, rank))
+
+
+def test_without_split_parts_the_programs_and_keys_are_the_fused_ones():
+    """A configuration naming no part, or every part in one format, has the whole linears, and
+    so the programs and keys of the fused model; a group naming v alone splits qkv_proj in its
+    own layer programs only, named and keyed as the group of a model in its formats."""
+    arch, plain = tiny_arch(), tiny_config(quantization="gguf", weight_formats=FORMATS)
+    fused = layer_spec(arch, plain).tensor_names()
+    assert fused[:4] == (
+        "input_layernorm.weight",
+        "qkv_proj.qweight",
+        "qkv_proj.scale",
+        "o_proj.qweight",
+    )
+    every_part = two_groups(
+        layer_groups=(((1,), tuple((f"qkv_proj.{i}", "q8_0") for i in range(3))),)
+    )
+    whole = layer_spec(arch, two_groups().for_group(1)).tensor_names()
+    assert layer_spec(arch, every_part.for_group(1)).tensor_names() == whole
+    config = two_groups(layer_groups=(((1,), V_ONLY),))
+    assert config.layer_groups == (((1,), V_ONLY),)
+    assert [k.name for k in all_program_keys(config)] == [
+        k.name for k in all_program_keys(two_groups())
+    ]
+    assert layer_spec(arch, config.for_group(0)).tensor_names() == fused
+    split = layer_spec(arch, config.for_group(1))
+    assert [(r.name, r.format) for r in split.runs("qkv_proj")] == [
+        ("qkv_proj.0", "q4_0"),
+        ("qkv_proj.2", "q8_0"),
+    ]
+    assert config.layer_formats(1)("qkv_proj.0") == "q4_0"
+    assert config.formats_used() == {"q4_0", "q8_0"}
+    group1 = tiny_config(quantization="gguf", weight_formats=FORMATS + V_ONLY)
+    for key in all_program_keys(config):
+        like = group1 if key.group else plain
+        want = program_cache_key(arch, like, dataclasses.replace(key, group=0))
+        assert program_cache_key(arch, config, key) == want, key.name
+    assert config.groups_summary(2) == (
+        "2 layer groups: layers 0 q4_0 (embed_tokens, lm_head: q8_0); "
+        "layers 1 down_proj, qkv_proj.2 q8_0"
+    )

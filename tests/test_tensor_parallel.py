@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gguf_files import GgmlType, write_gguf
 from tests.helpers import tiny_config
 from vllm_aot.loading.startup import load_model
 from vllm_aot.runtime.config import RuntimeConfig
@@ -75,6 +76,23 @@ def test_experts_split_over_two_ranks(tiny_model_dirs, family):
         assert [r["greedy"] for r in ranks] == [one["greedy"]] * 2
         for rank in ranks:
             torch.testing.assert_close(rank["logits"], one["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_a_linear_split_by_part_formats_splits_over_ranks(tiny_model_dirs, tmp_path):
+    """Q4_K_M's mix in a Qwen2 GGUF: layer 1's v (and its bias) and down_proj in Q8_0, the rest
+    Q4_0, so layer 1's qkv_proj is two runs (q|k, v), each column-sharded per part as the whole
+    is: two ranks' greedy text and logits are one rank's."""
+    types = {
+        f"model.layers.1.{n}.weight": GgmlType.Q8_0 for n in ("self_attn.v_proj", "mlp.down_proj")
+    }
+    model_dir = write_gguf(
+        tiny_model_dirs("qwen2"), tmp_path, family="qwen2", linear_type=GgmlType.Q4_0, types=types
+    )
+    fields = tiny_config(quantization="gguf").to_dict()
+    one = _single(model_dir, fields)
+    ranks = run_ranks(_run, 2, model_dir, {**fields, "tensor_parallel_size": 2})
+    assert [r["greedy"] for r in ranks] == [one["greedy"]] * 2
+    torch.testing.assert_close(ranks[1]["logits"], one["logits"], atol=1e-4, rtol=1e-4)
 
 
 def test_a_split_that_does_not_divide_is_refused(tiny_model_dir):

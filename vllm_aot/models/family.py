@@ -6,13 +6,15 @@ A family (`models/llama.py`, `qwen2.py`, `qwen3.py`, registered in `models/regis
   shards; a sparse MoE block's `Experts`) for an architecture and weight format;
   `models/weights.py` loads by it, and layer programs take the tensors in its order
   (`LayerSpec.tensor_names`);
-- `decoder_layer`: the layer's maths composed from `models/layers.py`, over `LayerParams`.
+- `decoder_layer`: the layer's maths composed from `models/layers.py`, over `LayerParams`,
+  which reads a linear by its name (`params.linear("qkv_proj", h)`) whether it is stored whole
+  or split into runs of parts in different formats (`LayerSpec.with_formats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -23,7 +25,7 @@ from vllm_aot.models.config import ModelArch
 from vllm_aot.models.experts import REFERENCE_EXPERTS, Experts, ExpertsKernel
 from vllm_aot.models.experts import tensor_names as experts_tensor_names
 from vllm_aot.models.formats import weight_format
-from vllm_aot.models.linear import Linear, LinearKernel, Shard
+from vllm_aot.models.linear import Linear, LinearKernel, Shard, split_by_format
 
 
 @dataclass(frozen=True)
@@ -46,21 +48,23 @@ class LayerSpec:
     def linears(self) -> tuple[Linear, ...]:
         return tuple(p for p in self.params if isinstance(p, Linear))
 
-    def linear(self, name: str) -> Linear:
-        linear = next((p for p in self.linears() if p.name == name), None)
-        assert linear is not None, f"no linear {name!r} in this layer"
-        return linear
+    def runs(self, name: str) -> tuple[Linear, ...]:
+        """Linear `name` as stored: itself, or the runs of parts it is split into, in order."""
+        runs = tuple(p for p in self.linears() if name in (p.name, p.part_of))
+        assert runs, f"no linear {name!r} in this layer"
+        return runs
 
     def with_formats(self, format_of: Callable[[str], str]) -> LayerSpec:
-        """The same layer with each linear (and experts) in format `format_of(its name)`;
-        ValueError for experts in a format they do not support."""
+        """The same layer with each linear (and experts) in format `format_of(its name)`, a
+        fused linear whose parts `format_of` gives different formats split into runs of them
+        (`linear.split_by_format`); ValueError for experts in a format they do not support."""
 
-        def formatted(p: Norm | Linear | Experts) -> Norm | Linear | Experts:
+        def formatted(p: Norm | Linear | Experts) -> tuple[Norm | Linear | Experts, ...]:
             if isinstance(p, Experts):
-                return p.with_format(format_of(p.name))
-            return replace(p, format=format_of(p.name)) if isinstance(p, Linear) else p
+                return (p.with_format(format_of(p.name)),)
+            return split_by_format(p, format_of) if isinstance(p, Linear) else (p,)
 
-        return LayerSpec(tuple(formatted(p) for p in self.params))
+        return LayerSpec(tuple(q for p in self.params for q in formatted(p)))
 
     def tensor_names(self) -> tuple[str, ...]:
         """`{param}.weight` per norm; per linear its format's stored tensors; then `.bias` for
@@ -121,13 +125,19 @@ class LayerParams:
         return self.tensors[f"{name}.bias"]
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Linear `name` applied to x [..., in] -> [..., out], through its format's kernel; a
-        row-parallel one's partial sums reduced over the ranks."""
-        linear = self.spec.linear(name)
-        stored = [self.tensors[f"{name}.{t}"] for t in weight_format(linear.format).tensor_names]
-        bias = self.tensors[f"{name}.bias"] if linear.has_bias else None
-        out = self.kernels[linear.format].apply(x, *stored, bias)
-        return self.reduce(out) if linear.shard is Shard.ROW else out
+        """Linear `name` applied to x [..., in] -> [..., out], through its format's kernel (a
+        split one's runs each through theirs, their outputs concatenated); a row-parallel one's
+        partial sums reduced over the ranks."""
+        runs = self.spec.runs(name)
+        outputs = [self._apply(run, x) for run in runs]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return self.reduce(out) if runs[0].shard is Shard.ROW else out
+
+    def _apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        names = weight_format(linear.format).tensor_names
+        stored = [self.tensors[f"{linear.name}.{t}"] for t in names]
+        bias = self.tensors[f"{linear.name}.bias"] if linear.has_bias else None
+        return self.kernels[linear.format].apply(x, *stored, bias)
 
     def experts(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Sparse MoE block `name` over x [tokens, hidden] -> [tokens, hidden]: every token

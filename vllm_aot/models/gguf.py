@@ -18,7 +18,8 @@ are (no dequantise-then-requantise), under HF tensor names.
   transformers' `LlamaTensorProcessor` does for its dequantised weights.
 - `gguf_weight_formats`: the `RuntimeConfig.weight_formats` and `layer_groups` a file serves
   (layers whose linears are stored in other types form further groups, each with programs of its
-  own), refusing what it cannot run (types we do not read, fused parts of different types).
+  own; a fused linear's parts stored in different types are named apart and split), refusing
+  types we do not read.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import dense_format
-from vllm_aot.models.linear import EMBEDDING, LM_HEAD, CheckpointFormats
+from vllm_aot.models.linear import EMBEDDING, LM_HEAD, CheckpointFormats, part_name
 from vllm_aot.models.registry import family_of
 
 GgmlType = GGMLQuantizationType
@@ -339,10 +340,9 @@ def type_format(ggml_type: GgmlType, dtype: torch.dtype, what: str) -> str:
 
 
 def _linear_types(
-    gguf: GgufFile, arch: ModelArch, sources: tuple[str, ...], what: str
-) -> list[GgmlType]:
-    """The type of a layer linear's parts in each layer, refusing parts of one layer that differ
-    (a fused linear is one weight of one format)."""
+    gguf: GgufFile, arch: ModelArch, sources: tuple[str, ...]
+) -> list[tuple[GgmlType, ...]]:
+    """The types of a layer linear's parts (`sources`) in each layer."""
     prefix = family_of(arch).layer_prefix
     by_layer = []
     for index in range(arch.num_layers):
@@ -350,14 +350,7 @@ def _linear_types(
         missing = [n for n in names if n not in gguf.tensors]
         if missing:
             raise KeyError(f"weight {missing[0]!r} missing from {gguf.path}")
-        types = {gguf.tensors[n].type for n in names}
-        if len(types) > 1:
-            raise ValueError(
-                f"{gguf.path.name}: {what} fuses {', '.join(sources)}, stored as "
-                f"{', '.join(sorted(t.name for t in types))} in layer {index}; a fused linear "
-                "needs one type"
-            )
-        by_layer.append(types.pop())
+        by_layer.append(tuple(gguf.tensors[n].type for n in names))
     return by_layer
 
 
@@ -368,16 +361,26 @@ def gguf_weight_formats(path: str | Path, arch: ModelArch, dtype: torch.dtype) -
     stored in, then each of them stored otherwise, e.g.
     (("*", "q4_1"), ("embed_tokens", "q8_0"), ("lm_head", "q8_0")); `layer_groups`: each
     further group's layers and the linears it stores otherwise than group 0 (llama.cpp's
-    Q4_K_M keeps some layers' `attn_v` and `ffn_down` in more bits). Dense tensors are served
-    in the dense format of `dtype`; the head is the embedding's when the file has no `output`."""
+    Q4_K_M keeps some layers' `attn_v` and `ffn_down` in more bits). A fused linear whose parts
+    some layer stores in different types is named by its parts (`linear.part_name`:
+    "qkv_proj.2" for v), and is split where they differ (`linear.split_by_format`). Dense
+    tensors are served in the dense format of `dtype`; the head is the embedding's when the
+    file has no `output`."""
     gguf = GgufFile(path)
     gguf.check_family(arch)
     family = family_of(arch)
     by_linear: dict[str, list[str]] = {}
     for linear in family.layer_spec(arch, dense_format(dtype).name).linears():
-        types = _linear_types(gguf, arch, linear.sources, linear.name)
         what = f"{path}: {linear.name}"
-        by_linear[linear.name] = [type_format(t, dtype, what) for t in types]
+        by_layer = [
+            [type_format(t, dtype, what) for t in types]
+            for types in _linear_types(gguf, arch, linear.sources)
+        ]
+        if all(len(set(parts)) == 1 for parts in by_layer):
+            by_linear[linear.name] = [parts[0] for parts in by_layer]
+            continue
+        for i in range(len(linear.sources)):
+            by_linear[part_name(linear.name, i)] = [parts[i] for parts in by_layer]
     # each layer's (linear, format) pairs
     layouts = [tuple((n, f[i]) for n, f in by_linear.items()) for i in range(arch.num_layers)]
     counts = Counter(layouts)

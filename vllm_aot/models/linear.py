@@ -3,7 +3,10 @@
 `Linear` is `y = x @ W.T (+ b)` with `W` [out, in] built from HF tensors concatenated along the
 output (q|k|v, gate|up); `format` names a `WeightFormat` (`models/formats.py`: how the weight is
 stored and which kernel multiplies it) and `shard` says how the weight splits over
-tensor-parallel ranks. The slicing is pure functions of (rank, size); only one rank runs today,
+tensor-parallel ranks. A fused linear whose parts are stored in different formats (a GGUF's
+Q4_K_M keeps `attn_v` in more bits than `attn_q`/`attn_k` in some layers) is split into runs of
+consecutive parts sharing a format (`split_by_format`), each a `Linear` of its own whose outputs
+the layer concatenates. The slicing is pure functions of (rank, size); only one rank runs today,
 but weights are loaded through them.
 
 Shards, as in Megatron and vLLM:
@@ -19,7 +22,7 @@ Shards, as in Megatron and vLLM:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -73,10 +76,50 @@ class Linear:
     format: str  # a `WeightFormat` name, e.g. "bf16"
     shard: Shard = Shard.REPLICATED
     has_bias: bool = False
+    # The fused linear whose run of parts this is (`split_by_format`); None: a whole linear.
+    part_of: str | None = None
 
     @property
     def out_features(self) -> int:
         return sum(self.out_parts)
+
+
+def part_name(linear: str, index: int) -> str:
+    """The name formats give part `index` of fused linear `linear` by, e.g. "qkv_proj.2" (v);
+    also the name of a split's run that starts at that part."""
+    return f"{linear}.{index}"
+
+
+def whole_name(name: str) -> str:
+    """The linear a `part_name` is a part of ("qkv_proj.2" -> "qkv_proj"); others as they are."""
+    linear, dot, index = name.rpartition(".")
+    return linear if dot and index.isdigit() else name
+
+
+def split_by_format(linear: Linear, format_of: Callable[[str], str]) -> tuple[Linear, ...]:
+    """`linear` in the formats `format_of` gives its parts (by `part_name`; a part not named
+    takes its linear's): whole, in `format_of(linear.name)` for a single part, when its parts
+    share one format; else one `Linear` per run of consecutive parts sharing a format, named by
+    the run's first part (q|k as "qkv_proj.0", v as "qkv_proj.2"), with the run's sources,
+    output parts and shard (a column shard splits each part as the whole does, so a rank's
+    runs concatenated are its slice of the whole)."""
+    if len(linear.out_parts) == 1:
+        return (replace(linear, format=format_of(linear.name)),)
+    formats = [format_of(part_name(linear.name, i)) for i in range(len(linear.out_parts))]
+    if len(set(formats)) == 1:
+        return (replace(linear, format=formats[0]),)
+    starts = [i for i, fmt in enumerate(formats) if i == 0 or fmt != formats[i - 1]]
+    return tuple(
+        replace(
+            linear,
+            name=part_name(linear.name, start),
+            out_parts=linear.out_parts[start:stop],
+            sources=linear.sources[start:stop],
+            format=formats[start],
+            part_of=linear.name,
+        )
+        for start, stop in zip(starts, [*starts[1:], len(formats)], strict=True)
+    )
 
 
 @dataclass(frozen=True)

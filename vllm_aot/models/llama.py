@@ -9,6 +9,8 @@ Parameters per layer (HF names under `model.layers.{i}.`):
 - `o_proj` = `self_attn.o_proj`, row-parallel [hidden, q];
 - `gate_up_proj` = `mlp.gate_proj | up_proj`, column-parallel [2 * intermediate, hidden];
 - `down_proj` = `mlp.down_proj`, row-parallel [hidden, intermediate].
+A fused linear whose parts are stored in different formats (a GGUF's v in more bits than q and k)
+is split into runs of them (`linear.split_by_format`); `params.linear` reads it as one.
 
 Layer: x + o_proj(attention(rotary(q), rotary(k), v)) over the normed input, then
 x + down_proj(silu(gate) * up) over the normed result. Qwen2 and Qwen3 reuse these pieces.

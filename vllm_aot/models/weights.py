@@ -141,9 +141,10 @@ def load_weights(
 ) -> ModelWeights:
     """Read every parameter through the family's layer spec from the checkpoint `quantization`
     reads (`checkpoints.open_checkpoint`: safetensors, or the directory's GGUF): fused (q|k|v,
-    gate|up), sliced for `rank`, each linear (the embedding and head too) in its weight format
-    (`formats(name)`; default: the dense format of `dtype`; layer i's `layer_formats(i)(name)`
-    where given: `RuntimeConfig.layer_formats`), the rest cast to `dtype`.
+    gate|up; split into runs of parts where their formats differ), sliced for `rank`, each
+    linear (the embedding and head too) in its weight format (`formats(name)`; default: the
+    dense format of `dtype`; layer i's `layer_formats(i)(name)` where given:
+    `RuntimeConfig.layer_formats`), the rest cast to `dtype`.
     `kv_scales` are the checkpoint's KV cache scales. Raises KeyError on a missing tensor,
     ValueError when the checkpoint does not store a linear in the format asked."""
     family = family_of(arch)

@@ -10,7 +10,7 @@ import torch
 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import dense_format, weight_format
-from vllm_aot.models.linear import Rank
+from vllm_aot.models.linear import Rank, whole_name
 from vllm_aot.runtime.buckets import powers_of_two, validate_buckets
 from vllm_aot.runtime.layer_groups import layers_text, normal_groups, overrides_text
 
@@ -76,9 +76,9 @@ class RuntimeConfig:
     num_sampling_candidates: int = keyed(256)  # top-k/top-p decide among this many tokens
     num_kv_blocks: int | None = unkeyed(None)  # default: every row at max_model_len, plus the dummy
     quantization: str | None = unkeyed(None)  # one of QUANTIZATIONS; None: dense weights of `dtype`
-    # (linear name or "*", weight format): every linear's format, resolved at load from
-    # `quantization` and the checkpoint (`models/checkpoints.py`); () for dense weights, and
-    # for "gguf" until start-up reads the file's.
+    # (linear name, a fused linear's part as "qkv_proj.2", or "*"; weight format): every
+    # linear's format, resolved at load from `quantization` and the checkpoint
+    # (`models/checkpoints.py`); () for dense weights, and for "gguf" until start-up reads it.
     weight_formats: tuple[tuple[str, str], ...] = keyed(())
     # Layers whose linears differ from `weight_formats` (`runtime/layer_groups.py`): groups 1, 2,
     # ... as (layers, (linear name, weight format) overrides); () for one group (every layer in
@@ -217,9 +217,11 @@ class RuntimeConfig:
 
     def linear_format(self, name: str) -> str:
         """The weight format of linear `name` (`linear.EMBEDDING`, `LM_HEAD`, or a layer's in
-        layer group 0; `layer_formats` gives another layer's)."""
+        layer group 0; `layer_formats` gives another layer's), or of a fused linear's part
+        (`linear.part_name`, e.g. "qkv_proj.2"; its linear's unless named)."""
         formats = self._formats()
-        return formats.get(name) or formats.get(ALL_LINEARS) or dense_format(self.torch_dtype).name
+        fmt = formats.get(name) or formats.get(whole_name(name)) or formats.get(ALL_LINEARS)
+        return fmt or dense_format(self.torch_dtype).name
 
     @property
     def num_layer_groups(self) -> int:

@@ -3,7 +3,8 @@ per bucket serves each group (`RuntimeConfig.layer_groups`).
 
 Group 0 holds every layer no other group names, in the configuration's `weight_formats`; group g
 (1, 2, ...) is `layer_groups[g - 1]`: (its layers, its overrides), each override a (linear name,
-weight format) pair laid over `weight_formats`. A GGUF quantised by llama.cpp's mixes (Q4_K_M
+weight format) pair laid over `weight_formats` (a fused linear's part named as "qkv_proj.2",
+`models/linear.py`'s `part_name`). A GGUF quantised by llama.cpp's mixes (Q4_K_M
 keeps some layers' `attn_v` and `ffn_down` in more bits) reads as two or more groups
 (`models/gguf.py`); every other model is one group, `layer_groups` empty.
 """
