@@ -142,7 +142,8 @@ def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     [
         (
             {f"model.layers.{i}.mlp.down_proj.weight": GgmlType.Q5_0 for i in range(2)},
-            "down_proj is Q5_0; supported types: Q8_0, Q4_0, Q4_1, F32, F16, BF16",
+            "down_proj is Q5_0; supported types: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F32, F16, "
+            "BF16",
         ),
         (
             {"model.layers.0.self_attn.k_proj.weight": GgmlType.Q8_0},
