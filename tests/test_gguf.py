@@ -202,7 +202,8 @@ def test_compile_only_reads_the_formats_from_the_gguf(gguf_dirs, monkeypatch):
     [
         (
             {f"model.layers.{i}.mlp.down_proj.weight": GgmlType.MXFP4 for i in range(2)},
-            "down_proj is MXFP4; supported types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F32, F16, BF16",
+            "down_proj is MXFP4; supported types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, "
+            "F32, F16, BF16",
         ),
     ],
 )
