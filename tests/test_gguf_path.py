@@ -149,7 +149,7 @@ def test_two_files_of_one_directory_are_two_models(
     formats = [resolve_weight_formats(p, "gguf", torch.float32) for p in (path, other)]
     assert formats[0] != formats[1]
     arch = load_arch(path)
-    configs = [tiny_config(quantization="gguf", weight_formats=f) for f in formats]
+    configs = [tiny_config(quantization="gguf", **f._asdict()) for f in formats]
     key = all_program_keys(configs[0])[0]
     assert program_cache_key(arch, configs[0], key) != program_cache_key(arch, configs[1], key)
     from vllm_aot.models import gguf_config

@@ -1,9 +1,10 @@
 """GGUF files read natively: each tensor's blocks become a weight format's stored tensors as they
 are (no dequantise-then-requantise), under HF tensor names.
 
-- The container (`open_gguf`): the header's scalar metadata and tensor table are parsed here
-  (the `gguf` package's `GGUFReader` spends ~2 s building every tokenizer string of a 49k-token
-  vocabulary; only the sizes are walked here), the tensor data memory-mapped; types and block
+- The container (`GgufFile`): the header's scalar metadata and tensor table are parsed by
+  `gguf_header.py` (the `gguf` package's `GGUFReader` spends ~2 s building every tokenizer
+  string of a 49k-token vocabulary; only the sizes are walked there), the tensor data
+  memory-mapped; types and block
   sizes are the `gguf` package's.
 - Names: llama.cpp's (`token_embd`, `blk.N.attn_q`, ...) -> HF's (`model.embed_tokens`,
   `model.layers.N.self_attn.q_proj`, ...) for the Llama-like families we serve (`llama`,
@@ -25,7 +26,6 @@ are (no dequantise-then-requantise), under HF tensor names.
 from __future__ import annotations
 
 import mmap
-import struct
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -35,10 +35,11 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
 from vllm_aot.models.config import ModelArch
 from vllm_aot.models.formats import dense_format
+from vllm_aot.models.gguf_header import HeaderCursor
 from vllm_aot.models.linear import EMBEDDING, LM_HEAD, CheckpointFormats, part_name
 from vllm_aot.models.registry import family_of
 
@@ -139,55 +140,6 @@ class GgufTensor:
     offset: int  # of its data, in bytes from the file's start
 
 
-_SCALARS = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-
-
-class _Header:
-    """A cursor over the header: scalars and strings read, arrays walked past."""
-
-    def __init__(self, data: mmap.mmap) -> None:
-        self.data, self.pos = data, 0
-
-    def read(self, fmt: str):
-        values = struct.unpack_from(fmt, self.data, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return values[0] if len(values) == 1 else values
-
-    def string(self) -> str:
-        size = self.read("<Q")
-        self.pos += size
-        return self.data[self.pos - size : self.pos].decode("utf-8", "replace")
-
-    def value(self, vtype: int):
-        """A scalar or string; an array is skipped (None): only its items' sizes are read."""
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype != GGUFValueType.ARRAY:
-            return self.read(_SCALARS[GGUFValueType(vtype)])
-        item, count = self.read("<IQ")
-        if item == GGUFValueType.STRING:  # a vocabulary: 50k-250k strings
-            for _ in range(count):
-                self.pos += 8 + struct.unpack_from("<Q", self.data, self.pos)[0]
-        elif item == GGUFValueType.ARRAY:
-            for _ in range(count):
-                self.value(item)
-        else:
-            self.pos += count * struct.calcsize(_SCALARS[GGUFValueType(item)])
-        return None
-
-
 class GgufFile:
     """An opened `.gguf`: its metadata (scalars) and tensors by HF name, read on demand."""
 
@@ -196,7 +148,7 @@ class GgufFile:
         with open(self.path, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(mapped, dtype=np.uint8)  # the tensors' bytes, read on demand
-        header = _Header(mapped)
+        header = HeaderCursor(mapped)
         magic, version, num_tensors, num_fields = header.read("<4sIQQ")
         if magic != b"GGUF" or version not in (2, 3):
             raise ValueError(f"{self.path} is not a GGUF file of version 2 or 3 (little-endian)")
