@@ -59,7 +59,8 @@ from types import SimpleNamespace
 
 import numpy as np
 from copy_case import acceptance, case_args, spec_counters
-from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
+from llamacpp import BUILD_DIR, KINDS, find_server, gguf_decode_bytes, gguf_file_type
+from machine import read_bandwidth_gbs
 from perf_plot import draw
 from rich.console import Console
 from rich.table import Table
@@ -346,6 +347,22 @@ def print_table(runs: dict, systems: list[str], args) -> None:
         )
 
 
+def print_decode_floor(runs: dict, systems: list[str], args) -> None:
+    """Each system's one-stream decode rate (1 / mean TPOT) beside the bandwidth floor: the
+    GGUF's weights read once a token at this machine's read bandwidth."""
+    if 1 not in args.concurrency:
+        return
+    weights, bandwidth = gguf_decode_bytes(served_gguf(args)), read_bandwidth_gbs()
+    floor = bandwidth * 1e9 / weights
+    print(
+        f"decode floor: {weights / 1e9:.3f} GB of weights a token at {bandwidth:.1f} GB/s read "
+        f"bandwidth: at most {floor:.1f} tok/s for one stream"
+    )
+    for system, case in itertools.product(systems, args.cases):
+        rate = 1000 / runs[system][1][(case, 1)].mean_tpot_ms
+        print(f"  {system} {case}, 1 stream: {rate:.1f} tok/s decode ({100 * rate / floor:.0f} %)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=None, help="default: ours,vllm + llamacpp if built")
@@ -371,6 +388,7 @@ def main() -> None:
     model = prepare_default_model()
     runs = measure_all(systems, model, args, out_dir)
     print_table(runs, systems, args)
+    print_decode_floor(runs, systems, args)
     results = {system: runs[system][1] for system in systems}
     plot = draw(results, args.cases, args.concurrency, bench_title(args), out_dir / "perf.png")
     print(f"plot: {plot}")
