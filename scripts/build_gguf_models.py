@@ -10,7 +10,10 @@ never into the repository:
   normal, std 0.02, norms 1: finite activations, meaningless text) and the SmolLM2 tokenizer
   (vocabulary 49152), so every benchmark client tokenises them as it does the bundled model;
 - `SmolLM2-135M-Instruct-{F16,Q4_K_M,Q5_K_M,Q6_K}.gguf`: the bundled model (its dequantised
-  `model.safetensors`) in llama.cpp's K-quants, and in f16 as their reference.
+  `model.safetensors`) in llama.cpp's K-quants, and in f16 as their reference. Its width, 576, is
+  no multiple of a K-quant super-block (256 values), so llama-quantize gives K-quant blocks only
+  to `ffn_down` (rows of 1536) and falls back elsewhere: Q4_K_M → Q4_K/Q6_K `ffn_down`, Q5_0 the
+  rest; Q5_K_M → Q5_K/Q6_K and Q5_1; Q6_K → Q6_K and Q8_0 (embeddings Q8_0 in all three).
 
 Each model is written as HF safetensors (one shard per layer, so a 3B model never sits whole in
 memory), converted by llama.cpp's own `convert_hf_to_gguf.py --outtype f16` and quantised by
@@ -250,7 +253,8 @@ def tensor_types(gguf: Path) -> str:
 
 def report(model: Model, seconds: dict[str, float]) -> None:
     steps = ", ".join(f"{step} {s:.0f} s" for step, s in seconds.items())
-    print(f"{model.name}: " + (f"built ({steps})" if seconds else "nothing built"))
+    if seconds:
+        print(f"{model.name}: built ({steps})")
     for file_type in ("F16", *model.quants):
         file = gguf_path(model, file_type)
         if file.is_file():
