@@ -12,8 +12,9 @@ never into the repository:
 - `SmolLM2-135M-Instruct-{F16,Q4_K_M,Q5_K_M,Q6_K}.gguf`: the bundled model (its dequantised
   `model.safetensors`) in llama.cpp's K-quants, and in f16 as their reference. Its width, 576, is
   no multiple of a K-quant super-block (256 values), so llama-quantize gives K-quant blocks only
-  to `ffn_down` (rows of 1536) and falls back elsewhere: Q4_K_M → Q4_K/Q6_K `ffn_down`, Q5_0 the
-  rest; Q5_K_M → Q5_K/Q6_K and Q5_1; Q6_K → Q6_K and Q8_0 (embeddings Q8_0 in all three).
+  to `ffn_down` (rows of 1536) and falls back elsewhere: Q4_K_M has Q4_K and Q6_K `ffn_down`s,
+  Q5_0 for the rest (Q8_0 where it meant Q6_K: 14 `attn_v`s and the embeddings); Q5_K_M the same
+  with Q5_K and Q5_1; Q6_K has Q6_K `ffn_down`s and Q8_0 for the rest.
 
 Each model is written as HF safetensors (one shard per layer, so a 3B model never sits whole in
 memory), converted by llama.cpp's own `convert_hf_to_gguf.py --outtype f16` and quantised by
