@@ -110,3 +110,14 @@ def gguf_file_type(gguf: Path) -> str:
 
     field = GGUFReader(gguf).fields["general.file_type"]
     return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+
+
+def gguf_decode_bytes(gguf: Path) -> int:
+    """Weight bytes one decode step reads: every tensor, but of an embedding table that is not
+    also the output layer (untied) only a row a token, left out."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())

@@ -5,7 +5,7 @@
                                                     vllm,llamacpp]
                                          [--serve-args "--max-num-seqs 8"] [--rounds 1]
                                          [--dtype bfloat16] [--num-speculative-tokens K]
-                                         [--llamacpp-server native|python]
+                                         [--llamacpp-server native|python] [--gguf PATH]
 
 Each system is started once (start-up: launch to its first successful health request; one
 after the other, and all of them stay up), then driven by `vllm bench serve` (random data,
@@ -36,6 +36,11 @@ copy-heavy: chat requests asking to repeat, correct or continue a given ~190-tok
 (`COPY_PROMPTS`, greedy, 128 tokens, ignore-eos), where n-gram drafts match; the random cases
 are where they hardly ever do (what speculation costs there).
 `--serve-args` go to every `vllm-aot serve` (the same shapes for ours and ours-ngram).
+
+`--gguf PATH`: ours and llama.cpp serve that GGUF file instead of the bundled one (ours as
+`vllm-aot serve PATH`; vLLM, which serves HF directories, is left out), e.g. the bigger models of
+scripts/build_gguf_models.py. The client tokenises with the bundled model's tokenizer, so the file
+must have SmolLM2's vocabulary (those models do).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ from types import SimpleNamespace
 
 import numpy as np
 from copy_case import acceptance, case_args, spec_counters
-from llamacpp import BUILD_DIR, KINDS, find_server, gguf_file_type
+from llamacpp import BUILD_DIR, KINDS, find_server, gguf_decode_bytes, gguf_file_type
+from machine import read_bandwidth_gbs
 from perf_plot import draw
 from rich.console import Console
 from rich.table import Table
@@ -106,6 +112,8 @@ def server(system: str, model: Path, port: int, args) -> Server:
     if system.startswith("ours"):
         command = [sys.executable, "-m", "vllm_aot.cli.main", "serve", "--port", str(port)]
         command += args.serve_args.split()
+        if args.gguf:
+            command += [str(args.gguf), "--served-model-name", DEFAULT_MODEL_NAME]
         gguf = ("--quantization", "gguf", "--dtype", args.dtype)
         if system == "ours":  # the bundled GGUF's blocks as they are: serve's default
             return Server((*command, *gguf))
@@ -124,7 +132,7 @@ def server(system: str, model: Path, port: int, args) -> Server:
         return Server(tuple(vllm_server_command(model, port, args=vllm_args)), env)
     llamacpp = args.llamacpp
     command = llamacpp.command(
-        find_default_gguf(), port, name=DEFAULT_MODEL_NAME, num_slots=max(args.concurrency)
+        served_gguf(args), port, name=DEFAULT_MODEL_NAME, num_slots=max(args.concurrency)
     )
     return Server(
         command=tuple(command),
@@ -133,6 +141,16 @@ def server(system: str, model: Path, port: int, args) -> Server:
         bench_args=tuple(llamacpp.bench_args(banned_ids=special_token_ids(model))),
         is_counted_at_full_length=True,
     )
+
+
+def served_gguf(args) -> Path:
+    """The GGUF file ours and llama.cpp serve: `--gguf`, else the bundled one."""
+    return args.gguf or find_default_gguf()
+
+
+def bench_title(args) -> str:
+    model = args.gguf.name if args.gguf else DEFAULT_MODEL_NAME
+    return f"{model}, vllm bench serve (random, ignore-eos)"
 
 
 def special_token_ids(model: Path) -> list[int]:
@@ -270,11 +288,14 @@ def measure_all(systems: list[str], model: Path, args, out_dir: Path) -> dict:
 def choose_systems(args) -> list[str]:
     """`--systems`, or ours and vLLM plus llama.cpp when it is built; refuses what cannot run."""
     if args.systems is None:
+        systems = [s for s in DEFAULT_SYSTEMS if not (args.gguf and s == "vllm")]
         if args.llamacpp is None:
             print(f"llamacpp skipped: no build in {BUILD_DIR} (scripts/setup_llamacpp.sh)")
-            return ["ours", "vllm"]
-        return list(DEFAULT_SYSTEMS)
+            return [s for s in systems if s != "llamacpp"]
+        return systems
     systems = args.systems.split(",")
+    if args.gguf and "vllm" in systems:
+        raise SystemExit("error: vllm serves HF directories, not --gguf: leave it out of --systems")
     if unknown := set(systems) - set(SYSTEMS):
         raise SystemExit(f"error: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     if "llamacpp" in systems and args.llamacpp is None:
@@ -287,8 +308,8 @@ def choose_systems(args) -> list[str]:
 
 def print_table(runs: dict, systems: list[str], args) -> None:
     console = Console(width=200)
-    title = f"{DEFAULT_MODEL_NAME}, vllm bench serve (random, ignore-eos)"
-    table = Table("case", "streams", title=title)
+    gguf = served_gguf(args)
+    table = Table("case", "streams", title=bench_title(args))
     for system in systems:
         for column in ("tok/s", "TTFT mean/p99 ms", "TPOT mean/p99 ms"):
             table.add_column(f"{system} {column}", justify="right")
@@ -314,17 +335,32 @@ def print_table(runs: dict, systems: list[str], args) -> None:
         table.add_row(*row)
     console.print(table)
     for system in systems:
-        weights = f"{args.dtype}, dequantised from the bundled GGUF"
-        gguf = find_default_gguf()
+        weights = f"{args.dtype}, dequantised from the GGUF"
         if system in ("ours", *SPEC_SYSTEMS):
-            weights = f"the bundled GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} compute"
+            weights = f"the GGUF's blocks ({gguf_file_type(gguf)}), {args.dtype} compute"
         if system == "llamacpp":
-            weights = f"{args.llamacpp.label}, the bundled GGUF itself ({gguf_file_type(gguf)})"
+            weights = f"{args.llamacpp.label}, the GGUF itself ({gguf_file_type(gguf)})"
         startup, _, memory = runs[system]
         console.print(
             f"{system}: {weights}; start-up {startup:.1f} s; "
             f"server memory {memory:.0f} MB (PSS, all its processes)"
         )
+
+
+def print_decode_floor(runs: dict, systems: list[str], args) -> None:
+    """Each system's one-stream decode rate (1 / mean TPOT) beside the bandwidth floor: the
+    GGUF's weights read once a token at this machine's read bandwidth."""
+    if 1 not in args.concurrency:
+        return
+    weights, bandwidth = gguf_decode_bytes(served_gguf(args)), read_bandwidth_gbs()
+    floor = bandwidth * 1e9 / weights
+    print(
+        f"decode floor: {weights / 1e9:.3f} GB of weights a token at {bandwidth:.1f} GB/s read "
+        f"bandwidth: at most {floor:.1f} tok/s for one stream"
+    )
+    for system, case in itertools.product(systems, args.cases):
+        rate = 1000 / runs[system][1][(case, 1)].mean_tpot_ms
+        print(f"  {system} {case}, 1 stream: {rate:.1f} tok/s decode ({100 * rate / floor:.0f} %)")
 
 
 def main() -> None:
@@ -340,6 +376,7 @@ def main() -> None:
     parser.add_argument(
         "--llamacpp-server", choices=KINDS, default=None, help="default: native if built"
     )
+    parser.add_argument("--gguf", type=Path, default=None, help="serve this GGUF (ours, llamacpp)")
     parser.add_argument("--out", type=Path, default=None, help="results and logs (default: tmp)")
     args = parser.parse_args()
     args.cases = args.cases.split(",")
@@ -351,9 +388,9 @@ def main() -> None:
     model = prepare_default_model()
     runs = measure_all(systems, model, args, out_dir)
     print_table(runs, systems, args)
-    title = f"{DEFAULT_MODEL_NAME}, vllm bench serve (random, ignore-eos)"
+    print_decode_floor(runs, systems, args)
     results = {system: runs[system][1] for system in systems}
-    plot = draw(results, args.cases, args.concurrency, title, out_dir / "perf.png")
+    plot = draw(results, args.cases, args.concurrency, bench_title(args), out_dir / "perf.png")
     print(f"plot: {plot}")
     print(f"results and logs in {out_dir}")
 
