@@ -37,8 +37,10 @@ def resolve_model(name: str | None, cache=None) -> Path:
         from vllm_aot.models.embedding_model import prepare_embedding_model
 
         return prepare_embedding_model()
+    from vllm_aot.models.gguf_config import is_gguf_file  # imports gguf: ~1 s, only for a path
+
     path = Path(name).expanduser()
-    if not path.is_dir() and not (path.is_file() and path.suffix.lower() == ".gguf"):
+    if not path.is_dir() and not (path.is_file() and is_gguf_file(path)):
         raise SystemExit(
             f"error: model {name!r} is neither a directory, a .gguf file nor a bundled model "
             f"({DEFAULT_MODEL_NAME}, {EMBEDDING_MODEL_NAME}); vllm-aot never downloads from a hub"
