@@ -8,7 +8,8 @@ sums (no int8 activation blocks: `kernels/quant.h`), so up to kMaxDirectRows row
 the reference's to float32 rounding, `1e-5 * (|x| @ |W|.T)`, and a row's result does not depend
 on the other rows. bfloat16 activations become fixed point per block of 32: of the block formats
 with AVX512-VNNI (15 bits, `kernels/quant_avx512_vnni.h`), of every block format on AVX2 (16
-bits, `kernels/quant_avx2_fixed.h`). Each x moves by at most 2^-15 of its block's largest |x|,
+bits, `kernels/quant_avx2_fixed.h`); the K-quants' per super-block of 256 on every CPU (16 bits,
+`kernels/quant_k_fixed.h`). Each x moves by at most 2^-15 of its block's largest |x|,
 which adds `2^-15 * (blockmax|x| @ |W|.T)`. Beyond kMaxDirectRows the
 weights are dequantised for aten's GEMM: to float32, or to bfloat16 for bfloat16 activations
 where the CPU multiplies bfloat16 natively (each weight moves by at most 2^-9 of itself:
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from tests.helpers import needs_kernels
 from vllm_aot import kernels
 from vllm_aot.models.formats import QUANTIZED_KERNELS, WEIGHT_FORMATS
+from vllm_aot.models.formats_k import BLOCK_BYTES, SUPER
 
 pytestmark = [pytest.mark.unit, needs_kernels]
 
@@ -45,7 +47,7 @@ MIN_AMX_ROWS, MAX_AMX_ROWS = 5, 32  # kMinAmxRows (formats with a VNNI kernel), 
 # (out, in): in not a multiple of 128 or 256 (group and tail paths), out odd (tile tails); the
 # K-quants' rows are whole super-blocks of 256.
 SHAPES = ((7, 96), (33, 576), (65, 1536))
-K_QUANTS = ("q4_k", "q5_k", "q6_k")  # bfloat16 activations widened on every CPU (`quant_k.h`)
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # fixed point per super-block of 256 (`quant_k_fixed.h`)
 K_SHAPES = ((7, 256), (33, 2048))
 DTYPES = (torch.float32, torch.bfloat16)
 # The formats whose bfloat16 activations become fixed point, per instruction set (`Format` in
@@ -53,10 +55,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 # With AMX, only fewer than MIN_AMX_ROWS rows (the VNNI kernel's) are fixed point.
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 FIXED_POINT = {
-    "avx2": BLOCK_FORMATS,
-    "avx512": (),
-    "avx512_vnni": BLOCK_FORMATS,
-    "amx": BLOCK_FORMATS,
+    "avx2": BLOCK_FORMATS + K_QUANTS,
+    "avx512": K_QUANTS,
+    "avx512_vnni": BLOCK_FORMATS + K_QUANTS,
+    "amx": BLOCK_FORMATS + K_QUANTS,
 }
 
 
@@ -89,9 +91,10 @@ def check_case(
         gemm_bf16 = rows > direct_rows and dtype == torch.bfloat16 and not amx
         rounding = (2.0**-8 if gemm_bf16 else 2.0**-15 if amx else 1e-5) * magnitude
         if fixed_point and rows <= direct_rows and not amx:
-            # each x moved by up to 2^-15 of its block's largest |x|
-            largest = x.float().abs().reshape(rows, -1, 32).amax(-1, keepdim=True)
-            rounding += 2.0**-15 * largest.expand(-1, -1, 32).reshape(rows, -1) @ weight.abs().T
+            # each x moved by up to 2^-15 of its block's (a K-quant's super-block's) largest |x|
+            size = 256 if fmt in K_QUANTS else 32
+            largest = x.float().abs().reshape(rows, -1, size).amax(-1, keepdim=True)
+            rounding += 2.0**-15 * largest.expand(-1, -1, size).reshape(rows, -1) @ weight.abs().T
         tolerance = rounding + bf16_out * want.abs()
         error = (got.float() - want).abs()
         assert (error <= tolerance).all(), f"{fmt} {rows}x{in_features}: {error - tolerance}"
@@ -128,6 +131,37 @@ def test_5_bit_codes_on_both_sides_of_each_path_limit(fmt, dtype):
     odd output rows (tile tails); every fifth bit set and clear in some block."""
     for out_features, in_features in ((5, 64), (31, 320)):
         check_case(fmt, out_features, in_features, dtype, (1, 2, 5, 8, 9, 33, 40))
+
+
+def _extreme_blocks(fmt: str) -> torch.Tensor:
+    """One row of two super-blocks whose every code times its scale is the format's largest:
+    q5_k codes 31 at scale 63 (mins 0), q6_k codes 0 (-32 after the offset) at scale -128."""
+    block = torch.zeros(BLOCK_BYTES[fmt], dtype=torch.uint8)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    if fmt == "q5_k":
+        block[0:2] = one  # d; dmin 0
+        block[4:8] = 63  # 6-bit scales of sub-blocks 0-3
+        block[12:16] = 0x0F  # scales 4-7: low four bits here, high two in bytes 4-7
+        block[4:8] |= 0xC0
+        block[16:176] = 0xFF  # fifth bits and nibbles: codes 31
+    else:
+        block[192:208] = 0x80  # int8 scales -128; codes 0
+        block[208:210] = one
+    return block.repeat(2).reshape(1, -1)
+
+
+@pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
+def test_k_quant_sums_stay_within_int32_at_the_extremes(fmt):
+    """The fixed-point kernel's integer sums (`kernels/quant_k_fixed.h`) at their bound: every
+    product of a run its largest, every activation its super-block's largest."""
+    blocks = _extreme_blocks(fmt)
+    weight = WEIGHT_FORMATS[fmt].dequantize(blocks)
+    assert weight.abs().min() == weight.abs().max() == (31 * 63 if fmt == "q5_k" else 32 * 128)
+    for sign in (1.0, -1.0):
+        x = torch.full((1, 2 * SUPER), sign, dtype=torch.bfloat16)
+        got = op(fmt)(x, blocks)
+        want = F.linear(x.float(), weight)
+        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=0)
 
 
 def _isa_levels() -> list[str]:

@@ -7,7 +7,8 @@
   in registers and runs at float32 speed while reading half the bytes.
 - `vllm_aot::linear_int8|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k(x, *stored)`
   (`linear_<format>.cpp`, sharing `quant.h`; the GGUF K-quants' super-blocks read by
-  `quant_k.h`, float32 on AVX2):
+  `quant_k.h`, float32, and `quant_k_fixed.h`, bfloat16 activations as 16-bit fixed point per
+  super-block):
   `x @ W.T` straight from a quantised weight's stored tensors (the layouts of `models/formats.py`),
   x float32 or bfloat16, the result in x's dtype. Up to 8 rows (decode at small batch; 32 on the
   AVX2 fixed-point path) the weights stream once, front to back, each block widened in registers

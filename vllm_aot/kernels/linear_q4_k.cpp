@@ -1,14 +1,14 @@
 // y = x @ W.T for a GGUF Q4_K weight: blocks uint8 [n, k / 256 * 144], the file's super-blocks
-// as stored (models/formats_k.py). The kernels are `quant_k.h`'s, the paths by rows `quant.h`'s.
+// as stored (models/formats_k.py). The kernels are `quant_k.h`'s and `quant_k_fixed.h`'s, the paths by rows `quant.h`'s.
 #include <torch/library.h>
 
-#include "quant_k.h"
+#include "quant_k_fixed.h"
 
 namespace {
 
 using namespace vllm_aot::quant;
 
-constexpr Format kQ4K = k::format<k::Q4K>();
+constexpr Format kQ4K = k_fixed::format<k_fixed::Q4K>();
 
 at::Tensor linear_q4_k(const at::Tensor& x, const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % 144 == 0,

@@ -1,14 +1,14 @@
 // y = x @ W.T for a GGUF Q5_K weight: blocks uint8 [n, k / 256 * 176], the file's super-blocks
-// as stored (models/formats_k.py). The kernels are `quant_k.h`'s, the paths by rows `quant.h`'s.
+// as stored (models/formats_k.py). The kernels are `quant_k.h`'s and `quant_k_fixed.h`'s, the paths by rows `quant.h`'s.
 #include <torch/library.h>
 
-#include "quant_k.h"
+#include "quant_k_fixed.h"
 
 namespace {
 
 using namespace vllm_aot::quant;
 
-constexpr Format kQ5K = k::format<k::Q5K>();
+constexpr Format kQ5K = k_fixed::format<k_fixed::Q5K>();
 
 at::Tensor linear_q5_k(const at::Tensor& x, const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % 176 == 0,

@@ -13,10 +13,10 @@
 // super-block, the eight dmin m against the activations' sub-block sums. q6_k's offset 32 is
 // taken from the codes. A row's result does not depend on the other rows.
 //
-// bfloat16 activations are widened to float32 (no fixed-point entries: `multiply_bf16` null).
-// The AVX-512 slots take these AVX2 functions (no AVX-512 or AMX path of their own), and
-// `dequantize_bf16` (aten's bfloat16 GEMM where the CPU multiplies bfloat16 natively) rounds the
-// float32 dequantisation.
+// bfloat16 activations take the fixed-point kernel (`quant_k_fixed.h`, which also gathers each
+// format's entry points). The AVX-512 slots take these AVX2 functions (no AVX-512 or AMX path of
+// their own), and `dequantize_bf16` (aten's bfloat16 GEMM where the CPU multiplies bfloat16
+// natively) rounds the float32 dequantisation.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -239,15 +239,6 @@ VLLM_AOT_AVX2 void dequantize_bf16(const Weights& w, int64_t row0, int64_t rows,
     dequantize<F>(w, row0 + r, 1, row.data());
     for (int64_t i = 0; i < w.k; i += 4) store4(_mm_loadu_ps(row.data() + i), out + r * w.k + i);
   }
-}
-
-// The format's entry points (`quant.h`'s `Format`).
-template <class F>
-constexpr Format format() {
-  return {{multiply<F>, multiply<F>},
-          {nullptr, nullptr, nullptr, nullptr},
-          dequantize<F>,
-          dequantize_bf16<F>};
 }
 
 }  // namespace vllm_aot::quant::k
