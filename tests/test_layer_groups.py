@@ -12,7 +12,7 @@ import torch
 from tests.helpers import tiny_arch, tiny_config
 from vllm_aot.cache.keys import program_cache_key, program_fingerprint
 from vllm_aot.loading.program_sources import check_fits
-from vllm_aot.loading.progress import CompileProgress
+from vllm_aot.loading.progress import CompileProgress, seconds_by_group
 from vllm_aot.models.linear import Linear, Rank, Shard, shard_bias, shard_weight, split_by_format
 from vllm_aot.runtime.config import RuntimeConfig
 from vllm_aot.runtime.programs import ProgramKey, ProgramKind, all_program_keys, layer_spec
@@ -106,6 +106,19 @@ def test_compile_progress_counts_each_group():
     assert lines == [
         "compiling programs: 3/3 done, 0s elapsed (layer programs by group 0: 1/1, 1: 1/1)"
     ]
+
+
+def test_compile_seconds_are_summed_per_group():
+    keys = all_program_keys(two_groups())
+    seconds = {k.name: 2.0 for k in keys}
+    layers = [k for k in keys if k.is_layer]
+    heads = len(keys) - len(layers)
+    per_group = len(layers) // 2
+    assert seconds_by_group(seconds, keys) == (
+        f"head: {heads} programs, {2 * heads} s; "
+        f"layer group 0: {per_group} programs, {2 * per_group} s; "
+        f"layer group 1: {per_group} programs, {2 * per_group} s"
+    )
 
 
 def test_a_linear_splits_into_runs_of_parts_that_share_a_format():

@@ -70,7 +70,9 @@ def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
         ensure_programs,
         with_checkpoint_formats,
     )
+    from vllm_aot.loading.progress import seconds_by_group
     from vllm_aot.models.source import load_arch
+    from vllm_aot.runtime.programs import all_program_keys
 
     arch = load_arch(model_dir)
     config = with_checkpoint_formats(config, model_dir)  # a GGUF's formats, from its file
@@ -84,6 +86,9 @@ def _compile_only(model_dir: Path, config, args: argparse.Namespace) -> int:
         f"cached, {report.count('remote')} fetched, {report.count('compiled')} compiled "
         f"({sum(report.compiled.values()):.0f} s of compile) in {time.perf_counter() - start:.0f} s"
     )
+    if report.compiled:
+        by_group = seconds_by_group(report.compiled, all_program_keys(config))
+        print(f"compile seconds by group: {by_group}")
     return 0
 
 

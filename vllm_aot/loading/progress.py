@@ -10,8 +10,10 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TextIO
+
+from vllm_aot.runtime.programs import ProgramKey
 
 
 def _duration(seconds: float) -> str:
@@ -76,3 +78,15 @@ class CompileProgress:
             self._write(text)
         else:
             print(text, file=self._stream, flush=True)
+
+
+def seconds_by_group(seconds: Mapping[str, float], keys: Iterable[ProgramKey]) -> str:
+    """Compile seconds of the programs named in `seconds` per program group, e.g. "layer group
+    0: 21 programs, 300 s; layer group 1: 21 programs, 290 s; head: 12 programs, 150 s"."""
+    group_of = {k.name: f"layer group {k.group}" if k.is_layer else "head" for k in keys}
+    totals: dict[str, list[float]] = {}
+    for name, secs in seconds.items():
+        totals.setdefault(group_of.get(name, "other"), []).append(secs)
+    return "; ".join(
+        f"{group}: {len(v)} programs, {sum(v):.0f} s" for group, v in sorted(totals.items())
+    )
