@@ -22,8 +22,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -44,13 +44,15 @@ constexpr float kLevels = 32767;  // |q| <= 2^15 - 1
 // side by side, so a kernel reads them from one pointer at constant offsets. Per row and
 // super-block its 256 inputs as int16, its scale s, and per 32 inputs s * sum(q).
 struct Fixed {
-  const int16_t* q;   // block b0's super-block sb, row b: q[b0 k + (sb B + b) 256 ..]
+  const int16_t* q;    // block b0's super-block sb, row b: q[b0 k + (sb B + b) 256 ..]
   const float* scale;  // [b0 supers + sb B + b]
-  const float* sums;  // [(b0 supers + sb B + b) 8 ..]
+  const float* sums;   // [(b0 supers + sb B + b) 8 ..]
   int64_t k, supers;
 
   // The register block from row b on (b a multiple of kRows).
-  Fixed from(int64_t b) const { return {q + b * k, scale + b * supers, sums + b * supers * 8, k, supers}; }
+  Fixed from(int64_t b) const {
+    return {q + b * k, scale + b * supers, sums + b * supers * 8, k, supers};
+  }
 };
 
 VLLM_AOT_AVX2 inline Fixed to_fixed(const c10::BFloat16* x, int64_t m, int64_t k) {
@@ -110,15 +112,17 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i scaled(__m256i codes, __m256i sc) {
 template <int S>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i scale_of(const Header& h) {
   constexpr char lo = 2 * (S % 8), hi = 2 * (S % 8) + 1;
-  const __m256i pick = _mm256_setr_epi8(lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
-                                        lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi);
+  const __m256i pick =
+      _mm256_setr_epi8(lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo,
+                       hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi);
   return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(h.sc[S / 8]), pick);
 }
 
 // Bit `bit` of each int16 lane of h as the value `1 << to` (to > bit: a left shift).
 template <int kBit, int kTo, int kWidth>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i bits_at(__m256i h) {
-  const __m256i moved = kBit >= kTo ? _mm256_srli_epi16(h, kBit - kTo) : _mm256_slli_epi16(h, kTo - kBit);
+  const __m256i moved =
+      kBit >= kTo ? _mm256_srli_epi16(h, kBit - kTo) : _mm256_slli_epi16(h, kTo - kBit);
   return _mm256_and_si256(moved, _mm256_set1_epi16(((1 << kWidth) - 1) << kTo));
 }
 
@@ -138,50 +142,47 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void scale_min_header(const uint8_t* blk, Header& 
 // Each format: kChunks chunks of 64 inputs a super-block, an int32 run every kRun chunks;
 // chunk<C> its four vectors of sixteen codes times their scales, vector i for the inputs from
 // offset(C, i) on.
-struct Q4K {
-  using Float = k::Q4K;
-  static constexpr int kBytes = Float::kBytes, kChunks = 4, kRun = 4;
+// q4_k and q5_k: d, dmin, twelve bytes of 6-bit scales and mins, (q5_k, kFifth) 32 bytes of fifth
+// bits qh, then the nibbles. Nibble bytes 32C .. 32C + 32 hold sub-block 2C's inputs in their low
+// nibbles and 2C + 1's in their high ones; q5_k adds bit S of qh[j] as 16 to sub-block S's input j.
+template <class F, bool kFifth>
+struct ScaleMinK {
+  using Float = F;
+  static constexpr int kBytes = F::kBytes, kChunks = 4, kRun = 4;
+  static constexpr int kNibbles = kFifth ? 48 : 16;  // where the nibbles start
   static constexpr bool kHasMin = true;
   VLLM_AOT_AVX2 static VLLM_AOT_INLINE void header(const uint8_t* blk, Header& h) {
     scale_min_header(blk, h);
   }
   static constexpr int offset(int c, int i) { return 64 * c + 16 * i; }
-  // Bytes 32C .. 32C + 32 of the codes: sub-block 2C's inputs in the low nibbles, 2C + 1's high.
   template <int C>
-  VLLM_AOT_AVX2 static VLLM_AOT_INLINE void chunk(const uint8_t* blk, const Header& h, __m256i (&v)[4]) {
-    const __m256i a = bytes16(blk + 16 + 32 * C), b = bytes16(blk + 32 + 32 * C);
+  VLLM_AOT_AVX2 static VLLM_AOT_INLINE void chunk(const uint8_t* blk, const Header& h,
+                                                  __m256i (&v)[4]) {
+    const __m256i a = bytes16(blk + kNibbles + 32 * C), b = bytes16(blk + kNibbles + 16 + 32 * C);
     const __m256i nibble = _mm256_set1_epi16(15);
-    v[0] = scaled(_mm256_and_si256(a, nibble), scale_of<2 * C>(h));
-    v[1] = scaled(_mm256_and_si256(b, nibble), scale_of<2 * C>(h));
-    v[2] = scaled(_mm256_srli_epi16(a, 4), scale_of<2 * C + 1>(h));
-    v[3] = scaled(_mm256_srli_epi16(b, 4), scale_of<2 * C + 1>(h));
+    __m256i low[2] = {_mm256_and_si256(a, nibble), _mm256_and_si256(b, nibble)};
+    __m256i high[2] = {_mm256_srli_epi16(a, 4), _mm256_srli_epi16(b, 4)};
+    if constexpr (kFifth) {
+      const __m256i qh[2] = {bytes16(blk + 16), bytes16(blk + 32)};
+      for (int i = 0; i < 2; ++i) {
+        low[i] = _mm256_or_si256(low[i], bits_at<2 * C, 4, 1>(qh[i]));
+        high[i] = _mm256_or_si256(high[i], bits_at<2 * C + 1, 4, 1>(qh[i]));
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      v[i] = scaled(low[i], scale_of<2 * C>(h));
+      v[2 + i] = scaled(high[i], scale_of<2 * C + 1>(h));
+    }
   }
 };
 
-struct Q5K {
-  using Float = k::Q5K;
-  static constexpr int kBytes = Float::kBytes, kChunks = 4, kRun = 4;
-  static constexpr bool kHasMin = true;
-  VLLM_AOT_AVX2 static VLLM_AOT_INLINE void header(const uint8_t* blk, Header& h) {
-    scale_min_header(blk, h);
-  }
-  static constexpr int offset(int c, int i) { return 64 * c + 16 * i; }
-  // q4_k's nibbles (codes at 48), each with bit S of qh[j] (at 16) as 16 for sub-block S.
-  template <int C>
-  VLLM_AOT_AVX2 static VLLM_AOT_INLINE void chunk(const uint8_t* blk, const Header& h, __m256i (&v)[4]) {
-    const __m256i a = bytes16(blk + 48 + 32 * C), b = bytes16(blk + 64 + 32 * C);
-    const __m256i ha = bytes16(blk + 16), hb = bytes16(blk + 32);
-    const __m256i nibble = _mm256_set1_epi16(15);
-    v[0] = scaled(_mm256_or_si256(_mm256_and_si256(a, nibble), bits_at<2 * C, 4, 1>(ha)), scale_of<2 * C>(h));
-    v[1] = scaled(_mm256_or_si256(_mm256_and_si256(b, nibble), bits_at<2 * C, 4, 1>(hb)), scale_of<2 * C>(h));
-    v[2] = scaled(_mm256_or_si256(_mm256_srli_epi16(a, 4), bits_at<2 * C + 1, 4, 1>(ha)), scale_of<2 * C + 1>(h));
-    v[3] = scaled(_mm256_or_si256(_mm256_srli_epi16(b, 4), bits_at<2 * C + 1, 4, 1>(hb)), scale_of<2 * C + 1>(h));
-  }
-};
+using Q4K = ScaleMinK<k::Q4K, false>;
+using Q5K = ScaleMinK<k::Q5K, true>;
 
 struct Q6K {
   using Float = k::Q6K;
-  static constexpr int kBytes = Float::kBytes, kChunks = 4, kRun = 2;  // a run per half of 128 inputs
+  // a run per half of 128 inputs
+  static constexpr int kBytes = Float::kBytes, kChunks = 4, kRun = 2;
   static constexpr bool kHasMin = false;
   VLLM_AOT_AVX2 static VLLM_AOT_INLINE void header(const uint8_t* blk, Header& h) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
@@ -190,16 +191,20 @@ struct Q6K {
     h.d = k::half_at(blk + 208);
   }
   // Chunk C is half H = C / 2, groups G = C % 2 (low nibbles) and G + 2 (high) of 32 inputs.
-  static constexpr int offset(int c, int i) { return 128 * (c / 2) + 32 * (c % 2 + 2 * (i / 2)) + 16 * (i % 2); }
+  static constexpr int offset(int c, int i) {
+    return 128 * (c / 2) + 32 * (c % 2 + 2 * (i / 2)) + 16 * (i % 2);
+  }
   // Group G's input J: ql[64 H + 32 (G % 2) + J] >> 4 (G / 2) & 15, plus (qh[32 H + J] >> 2 G
   // & 3) << 4, minus 32; sub-block 8 H + 2 G + J / 16.
   template <int C>
-  VLLM_AOT_AVX2 static VLLM_AOT_INLINE void chunk(const uint8_t* blk, const Header& h, __m256i (&v)[4]) {
+  VLLM_AOT_AVX2 static VLLM_AOT_INLINE void chunk(const uint8_t* blk, const Header& h,
+                                                  __m256i (&v)[4]) {
     constexpr int H = C / 2, G = C % 2, S = 8 * H + 2 * G;
     const __m256i a = bytes16(blk + 64 * H + 32 * G), b = bytes16(blk + 64 * H + 32 * G + 16);
     const __m256i ha = bytes16(blk + 128 + 32 * H), hb = bytes16(blk + 144 + 32 * H);
     const __m256i nibble = _mm256_set1_epi16(15), offset = _mm256_set1_epi16(32);
-    const auto code = [&](__m256i low, __m256i high, __m256i sc) __attribute__((always_inline, target("avx2,fma,f16c"))) {
+    const auto code = [&](__m256i low, __m256i high, __m256i sc)
+        __attribute__((always_inline, target("avx2,fma,f16c"))) {
       return scaled(_mm256_sub_epi16(_mm256_or_si256(low, high), offset), sc);
     };
     v[0] = code(_mm256_and_si256(a, nibble), bits_at<2 * G, 4, 2>(ha), scale_of<S>(h));
@@ -222,8 +227,8 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void keep(__m256i& v) { asm("" : "+x"(v)); }
 
 // Chunk C's four vectors: decoded from the super-block, or (kDecoded) read from the decoded row's.
 template <class F, int C, bool kDecoded>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void chunk_codes(const uint8_t* blk, const Header& h, const int16_t* decoded,
-                                               __m256i (&v)[4]) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void chunk_codes(const uint8_t* blk, const Header& h,
+                                               const int16_t* decoded, __m256i (&v)[4]) {
   if constexpr (!kDecoded) {
     F::template chunk<C>(blk, h, v);
   } else {
@@ -303,11 +308,13 @@ VLLM_AOT_AVX2 void row_dot(const Weights& w, int64_t row, const Fixed& x, const 
 
 // Weight row `row` decoded into the calling thread's buffers.
 template <class F, int C = 0>
-VLLM_AOT_AVX2 VLLM_AOT_INLINE void decode_chunks(const uint8_t* blk, const Header& h, int16_t* out) {
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void decode_chunks(const uint8_t* blk, const Header& h,
+                                                 int16_t* out) {
   if constexpr (C < F::kChunks) {
     __m256i v[4];
     F::template chunk<C>(blk, h, v);
-    for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + F::offset(C, i)), v[i]);
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + F::offset(C, i)), v[i]);
     decode_chunks<F, C + 1>(blk, h, out);
   }
 }
@@ -338,7 +345,8 @@ void multiply(const Weights& w, const c10::BFloat16* x, int64_t m, at::Tensor& o
     for (int64_t r = row0; r < row0 + decltype(tile)::value; ++r) {
       if (m <= kRows) {
         row_blocks<kRows>(m, [&](auto block, int64_t b) {
-          row_dot<F, decltype(block)::value, false>(w, r, fixed.from(b), nullptr, true, o + b * w.n);
+          row_dot<F, decltype(block)::value, false>(w, r, fixed.from(b), nullptr, true,
+                                                    o + b * w.n);
         });
         continue;
       }
