@@ -298,6 +298,9 @@ def test_serve_never_picks_a_configuration_longer_than_the_model_declares(tmp_pa
         (["serve", "--profiler-config={}", "."], ".", ["--profiler-config={}"]),
         (["serve", ".", "--enable-prefix-caching"], ".", ["--enable-prefix-caching"]),
         (["serve", "--config", __file__], None, ["--config", __file__]),  # a file, not a model
+        (["serve", "--max-num-seqs", "1", "."], ".", ["--max-num-seqs", "1"]),
+        (["serve", "--max-num-seqs", "1", "--tokenizer", ".", "."], ".",
+         ["--max-num-seqs", "1", "--tokenizer", "."]),
     ],
 )  # fmt: skip
 def test_serve_gives_a_passed_through_flag_its_value_back(argv, model, passed):

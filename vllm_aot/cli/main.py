@@ -205,7 +205,8 @@ def reclaim_flag_value(argv: list[str], args, unknown: list[str]) -> None:
 
     `serve --profiler-config '{"profiler": "torch"}'`: argparse does not know vLLM's flag, so its
     value looks like the optional model positional. A value that follows an unknown `--flag`
-    (without `=`) and is no path (or the file of `--config FILE.yaml`) goes back behind that flag.
+    (without `=`) and is no path (or the file of `--config FILE.yaml`) goes back behind that flag,
+    and a path argparse then left over (`serve --max-num-seqs 1 ./M.gguf`) is the model.
     """
     model = getattr(args, "model", None)
     if model is None or model not in argv:
@@ -216,6 +217,17 @@ def reclaim_flag_value(argv: list[str], args, unknown: list[str]) -> None:
     if before.startswith("--") and "=" not in before and before in unknown:
         unknown.insert(unknown.index(before) + 1, model)
         args.model = None
+        left_over = [i for i, a in enumerate(unknown) if _is_positional_path(unknown, i)]
+        if left_over:
+            args.model = unknown.pop(left_over[0])
+
+
+def _is_positional_path(unknown: list[str], i: int) -> bool:
+    """Whether unknown[i] is an existing path that no unknown `--flag` before it takes as its
+    value."""
+    value, before = unknown[i], unknown[i - 1] if i else ""
+    takes_it = before.startswith("--") and "=" not in before
+    return not value.startswith("-") and Path(value).exists() and not takes_it
 
 
 def main(argv: list[str] | None = None) -> int:
