@@ -1,5 +1,6 @@
 // y = x @ W.T for a GGUF Q5_K weight: blocks uint8 [n, k / 256 * 176], the file's super-blocks
-// as stored (models/formats_k.py). The kernels are `quant_k.h`'s and `quant_k_fixed.h`'s, the paths by rows `quant.h`'s.
+// as stored (models/formats_k.py). The kernels are `quant_k.h`'s and `quant_k_fixed.h`'s,
+// the paths by rows `quant.h`'s.
 #include <torch/library.h>
 
 #include "quant_k_fixed.h"

@@ -71,26 +71,28 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE int32_t sum8i(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// One block of 32 bfloat16 as 16-bit fixed point into dst; returns its scale s, and s * sum(q)
-// in `sum`.
-VLLM_AOT_AVX2 VLLM_AOT_INLINE float fixed_point(const c10::BFloat16* x, int16_t* dst, float& sum) {
-  __m256 v[4];
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 largest = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = load8(x + 8 * i);
-    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
-  }
-  const float top = max8(largest);
-  const __m256 inv = _mm256_set1_ps(top > 0.f ? kLevels / top : 0.f);
-  __m256i q[4];  // rounded to nearest even, as nearbyint
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+// 32 bfloat16 times `inv` (kLevels over their scale's largest |x|), rounded to nearest even (as
+// nearbyint), as int16 into dst in order; returns the sum of the 32 integers.
+VLLM_AOT_AVX2 VLLM_AOT_INLINE int32_t quantize32(const c10::BFloat16* x, __m256 inv, int16_t* dst) {
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8 * i), inv));
   for (int i = 0; i < 4; i += 2)  // packs works per 128-bit lane: put the quarters back in order
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * i),
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(q[i], q[i + 1]), 0xD8));
+  return sum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+}
+
+// One block of 32 bfloat16 as 16-bit fixed point into dst; returns its scale s, and s * sum(q)
+// in `sum`.
+VLLM_AOT_AVX2 VLLM_AOT_INLINE float fixed_point(const c10::BFloat16* x, int16_t* dst, float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 largest = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i)
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, load8(x + 8 * i)));
+  const float top = max8(largest);
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? kLevels / top : 0.f);
   const float s = top / kLevels;
-  sum = s * static_cast<float>(
-                sum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
+  sum = s * static_cast<float>(quantize32(x, inv, dst));
   return s;
 }
 

@@ -135,6 +135,14 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// A super-block of kBytes at p asked into L1: every cache line it touches (it need not start on
+// one).
+template <int kBytes>
+VLLM_AOT_AVX2 VLLM_AOT_INLINE void prefetch_block(const uint8_t* p) {
+  for (int off = 0; off < kBytes; off += 64) prefetch_line<kToL1>(p + off);
+  prefetch_line<kToL1>(p + kBytes - 1);
+}
+
 // Sub-blocks S .. kSubs of one super-block against B activation rows (x: the super-block's first
 // input of row 0, rows `k` apart): acc[b] += (codes . x) * d sc.
 template <class F, int B, int S>
@@ -168,10 +176,7 @@ VLLM_AOT_AVX2 void row_dot(const Weights& w, int64_t row, const float* x, const 
   const int64_t lds = w.k / kBlock;
   for (int64_t sb = 0; sb < w.blocks; ++sb) {
     const uint8_t* blk = blocks + sb * F::kBytes;
-    if (prefetch) {
-      for (int off = 0; off < F::kBytes; off += 64) prefetch_line<kToL1>(ahead + sb * F::kBytes + off);
-      prefetch_line<kToL1>(ahead + sb * F::kBytes + F::kBytes - 1);
-    }
+    if (prefetch) prefetch_block<F::kBytes>(ahead + sb * F::kBytes);
     Scales<F::kSubs> s;
     F::scales(blk, s);
     sub_blocks<F, B, 0>(blk, s, x + sb * kSuper, w.k, acc);

@@ -37,7 +37,7 @@ namespace vllm_aot::quant::k_fixed {
 using k::kSuper;
 constexpr int kRows = 4;          // activation rows per register block
 constexpr int kTileRows = 2;      // weight rows per parallel work item
-constexpr float kLevels = 32767;  // |q| <= 2^15 - 1
+using avx2_fixed::kLevels;        // |q| <= 2^15 - 1
 
 // One call's activations, in buffers the calling thread reuses, laid out for the register blocks
 // of kRows rows (`row_blocks`; the last block may be smaller): a block's rows of one super-block
@@ -75,15 +75,8 @@ VLLM_AOT_AVX2 inline Fixed to_fixed(const c10::BFloat16* x, int64_t m, int64_t k
       const __m256 inv = _mm256_set1_ps(top > 0.f ? kLevels / top : 0.f);
       const float s = top / kLevels;
       for (int j = 0; j < kSuper; j += 32) {
-        __m256i q[4];  // rounded to nearest even, as nearbyint
-        for (int t = 0; t < 4; ++t)
-          q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(p + j + 8 * t), inv));
-        for (int t = 0; t < 4; t += 2)  // packs works per 128-bit lane: the quarters back in order
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs.data() + at * kSuper + j + 8 * t),
-                              _mm256_permute4x64_epi64(_mm256_packs_epi32(q[t], q[t + 1]), 0xD8));
-        const __m256i total =
-            _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        sums[at * 8 + j / 32] = s * static_cast<float>(avx2_fixed::sum8i(total));
+        const int32_t total = avx2_fixed::quantize32(p + j, inv, qs.data() + at * kSuper + j);
+        sums[at * 8 + j / 32] = s * static_cast<float>(total);
       }
       scales[at] = s;
     }
@@ -118,7 +111,7 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i scale_of(const Header& h) {
   return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(h.sc[S / 8]), pick);
 }
 
-// Bit `bit` of each int16 lane of h as the value `1 << to` (to > bit: a left shift).
+// The kWidth bits from bit kBit of each int16 lane of h, moved to bit kTo, the others cleared.
 template <int kBit, int kTo, int kWidth>
 VLLM_AOT_AVX2 VLLM_AOT_INLINE __m256i bits_at(__m256i h) {
   const __m256i moved =
@@ -142,6 +135,7 @@ VLLM_AOT_AVX2 VLLM_AOT_INLINE void scale_min_header(const uint8_t* blk, Header& 
 // Each format: kChunks chunks of 64 inputs a super-block, an int32 run every kRun chunks;
 // chunk<C> its four vectors of sixteen codes times their scales, vector i for the inputs from
 // offset(C, i) on.
+//
 // q4_k and q5_k: d, dmin, twelve bytes of 6-bit scales and mins, (q5_k, kFifth) 32 bytes of fifth
 // bits qh, then the nibbles. Nibble bytes 32C .. 32C + 32 hold sub-block 2C's inputs in their low
 // nibbles and 2C + 1's in their high ones; q5_k adds bit S of qh[j] as 16 to sub-block S's input j.
@@ -290,10 +284,7 @@ VLLM_AOT_AVX2 void row_dot(const Weights& w, int64_t row, const Fixed& x, const 
       h = decoded->headers + sb;
       codes = decoded->codes + sb * kSuper;
     } else {
-      if (prefetch) {
-        for (int off = 0; off < kBytes; off += 64) prefetch_line<kToL1>(ahead + sb * kBytes + off);
-        prefetch_line<kToL1>(ahead + sb * kBytes + kBytes - 1);
-      }
+      if (prefetch) k::prefetch_block<kBytes>(ahead + sb * kBytes);
       F::header(blk, own);
     }
     float ds[B];
